@@ -1,0 +1,25 @@
+# The two commands of the README:
+#   make demo   set up (if needed) and run the main job on the embedded model and corpus
+#   make test   set up (if needed) and run the test suite
+VENV ?= .venv
+export HF_HUB_DISABLE_TELEMETRY = 1
+
+.PHONY: setup demo test test-fast lint bench reference clean
+
+setup:
+	@VENV=$(VENV) bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/kveval run configs/int4_g64.yaml
+
+test: setup
+	$(VENV)/bin/python -m pytest -q
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not integration"
+
+lint: setup
+	$(VENV)/bin/ruff check kveval tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,3 @@
+from kveval.cli import main
+
+main()

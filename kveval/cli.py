@@ -1,0 +1,114 @@
+"""The ``kveval`` command line: parse, load the config, call a runner, print. No logic lives here."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kveval.errors import KvevalError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Accuracy evaluation of KV-cache quantization for HuggingFace causal LMs.",
+)
+err_console = Console(stderr=True)
+
+
+def user_errors(fn):
+    """Bad input -> one line on stderr and exit status 2, no traceback. Ctrl-C -> exit 130 with a resume hint."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KvevalError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted; rerun the same command to resume from the recorded work")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+OverrideOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a config value: key.path=value (YAML), repeatable."),
+]
+
+
+@app.command()
+@user_errors
+def run(
+    config: Annotated[Path, typer.Argument(help="Experiment config (YAML).")],
+    overrides: OverrideOpt = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace a results folder that holds a different config.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
+):
+    """Evaluate the config's KV policies against the full-precision baseline; write results/<name>/."""
+    from kveval.config import load_config
+    from kveval.runner import run_experiment
+
+    cfg = load_config(config, overrides)
+    run_experiment(cfg, overwrite=overwrite, quiet=quiet, config_path=str(config))
+
+
+@app.command()
+@user_errors
+def validate(
+    config: Annotated[Path, typer.Argument(help="Experiment config (YAML).")],
+    overrides: OverrideOpt = None,
+):
+    """Check a config without running it."""
+    from kveval.config import load_config
+
+    cfg = load_config(config, overrides)
+    names = ", ".join(cfg.policies())
+    tasks = ", ".join(t.kind for t in cfg.tasks)
+    print(f"{config}: ok (model {cfg.model.name}; policies {names}; tasks {tasks}; output {cfg.output_dir()})")
+
+
+@app.command("ls")
+@user_errors
+def list_things():
+    """List the KV policy presets, quantizer presets, tasks, builtin models and corpora."""
+    from kveval.config import TASK_TYPES, task_presets
+    from kveval.data import builtin_corpora
+    from kveval.models import builtin_models
+    from kveval.policy import POLICY_DESCRIPTIONS
+    from kveval.quant import preset, preset_names
+
+    console = Console()
+
+    def table(title: str, rows: list[tuple[str, str]]):
+        t = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+        t.add_column(style="bold cyan", no_wrap=True)
+        t.add_column()
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+        console.print()
+
+    table("KV policies (kv: NAME)", list(POLICY_DESCRIPTIONS.items()))
+    table("Quantizer presets (key:/value:/spec: NAME, also usable as a policy)", [(n, preset(n).describe()) for n in preset_names()])
+    task_rows = [(k, (v.__doc__ or "").strip().splitlines()[0]) for k, v in TASK_TYPES.items()]
+    task_rows += [(name, f"preset: {path.name}") for name, path in task_presets().items()]
+    table("Tasks", task_rows)
+    table("Builtin models (model: NAME)", list(builtin_models().items()))
+    table("Corpora (data: NAME or a .txt/.jsonl/.parquet path)", list(builtin_corpora().items()))
+
+
+def main():  # pragma: no cover - console entry for python -m kveval
+    sys.exit(app())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

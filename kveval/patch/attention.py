@@ -1,0 +1,100 @@
+"""Where kveval meets transformers' attention: finding attention modules, switching the implementation.
+
+The emulation registers its own attention function in transformers' ``AttentionInterface`` under a name per
+wrapped implementation (``kveval_sdpa``, ``kveval_eager``). Each wraps the stock function: layers without a
+kveval state attached, and layers whose specs are ``none``, go straight to it with the original arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kveval.errors import KvevalError
+
+STATE_ATTR = "_kveval_emulation"
+WRAPPABLE = ("sdpa", "eager")
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules of a decoder, in layer order (modules with ``layer_idx`` and a key projection)."""
+    found = []
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and (hasattr(module, "k_proj") or type(module).__name__.endswith("Attention")):
+            if type(module).__name__.endswith("Attention"):
+                found.append(module)
+    found.sort(key=lambda m: m.layer_idx)
+    return found
+
+
+def stock_attention(module: torch.nn.Module, implementation: str) -> Callable:
+    """The attention function transformers would call for ``implementation`` on this module."""
+    if implementation == "eager":
+        modeling = sys.modules[type(module).__module__]
+        fn = getattr(modeling, "eager_attention_forward", None)
+        if fn is None:
+            raise KvevalError(f"{type(module).__name__}: no eager_attention_forward found to wrap")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def allowed_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """transformers' mask (bool: True = attend; float: 0 = attend; None = causal) as a bool tensor
+    ``[batch or 1, 1, q_len, kv_len]``."""
+    if attention_mask is None:
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+        return causal[None, None]
+    mask = attention_mask[..., :kv_len]
+    if mask.dtype == torch.bool:
+        return mask
+    return mask == 0
+
+
+def inner_mask(mask: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask in the form the wrapped implementation expects."""
+    if implementation == "eager":
+        zero = torch.zeros((), dtype=dtype, device=mask.device)
+        return torch.where(mask, zero, torch.finfo(dtype).min)
+    return mask
+
+
+def _register(name: str, implementation: str, dispatch: Callable) -> None:
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        state = getattr(module, STATE_ATTR, None)
+        if state is None:
+            return stock_attention(module, implementation)(module, query, key, value, attention_mask, *args, **kwargs)
+        return dispatch(state, module, query, key, value, attention_mask, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask if implementation == "sdpa" else eager_mask)
+
+
+def install(dispatch: Callable) -> None:
+    """Register ``kveval_<impl>`` for every wrappable implementation (idempotent)."""
+    for impl in WRAPPABLE:
+        _register(f"kveval_{impl}", impl, dispatch)
+
+
+def current_implementation(model) -> str:
+    return getattr(model.config, "_attn_implementation", None) or "eager"
+
+
+def set_implementation(model, name: str) -> None:
+    """Switch the whole model (and its sub-configs) to a registered attention implementation."""
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise KvevalError(
+            f"{type(model).__name__} does not use transformers' attention interface; kveval cannot patch its attention"
+        )
+    try:
+        model.set_attn_implementation(name)
+    except (ValueError, KeyError, AttributeError):
+        model.config._attn_implementation = name
+    for sub in model.modules():
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = name

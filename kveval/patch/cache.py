@@ -1,0 +1,211 @@
+"""A real quantized KV cache for ``model.generate()`` and step-by-step decoding.
+
+Each layer holds, in position order: the sink tokens in full precision, the quantized middle as packed integer
+codes (or FP8 bytes) with scales/zero points in their storage dtype, and the full-precision residual window.
+Reads dequantize everything that is stored. ``nbytes()`` reports the bytes actually held.
+
+Usage::
+
+    cache = QuantizedKVCache(model, KVPolicy.preset("int4_g64"))
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=20)
+
+Semantics (the same as ``emulate``): a token is quantized when it leaves the residual window (``sliding``) or
+when its block of ``residual`` tokens is complete (``block``); sinks never are. A call that brings more than one
+token (the prefill) answers, with ``prefill: fp``, the new tokens in full precision (what serving engines do);
+with ``prefill: quantized`` and for single-token decode steps it answers the stored versions.
+
+Limitation: with batch > 1 and left padding, sink tokens count from the first stored position of the row
+(padding included), and per-channel blocks take statistics over the padded positions too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kveval.patch.attention import attention_modules
+from kveval.policy import KVPolicy
+from kveval.quant import QuantizedTensor, QuantSpec, dequantize, pack, quantize, unpack
+
+
+@dataclass
+class StoredChunk:
+    """A run of quantized tokens: packed codes plus the QuantizedTensor's scales/zero points."""
+
+    qt: QuantizedTensor
+    packed: torch.Tensor | None  # uint8 rows along head_dim, None when the codes are stored as they are (FP8)
+    n_codes: int
+
+    @classmethod
+    def store(cls, x: torch.Tensor, spec: QuantSpec, channel_block: int | None) -> StoredChunk:
+        qt = quantize(x, spec, channel_block=channel_block)
+        if qt.codes.dtype in (torch.int8, torch.uint8) and spec.format == "int" and spec.bits < 8:
+            n = qt.codes.shape[-1]
+            packed = pack(qt.codes, spec.bits)
+            qt = QuantizedTensor(**{**qt.__dict__, "codes": torch.empty(0, dtype=qt.codes.dtype)})
+            return cls(qt=qt, packed=packed, n_codes=n)
+        return cls(qt=qt, packed=None, n_codes=qt.codes.shape[-1])
+
+    def read(self) -> torch.Tensor:
+        if self.packed is None:
+            return dequantize(self.qt)
+        codes = unpack(self.packed, self.qt.spec.bits, self.n_codes, signed=self.qt.codes.dtype == torch.int8)
+        return dequantize(QuantizedTensor(**{**self.qt.__dict__, "codes": codes}))
+
+    def nbytes(self) -> dict:
+        """Bytes held: the packed code bytes as stored, plus scales and zero points in their storage dtype."""
+        scales = sum(t.numel() * t.element_size() for t in (self.qt.scale, self.qt.zero_point) if t is not None)
+        if self.packed is None:
+            codes = self.qt.nbytes()["codes"]
+        else:
+            codes = self.packed.numel() * self.packed.element_size()
+        return {"codes": codes, "scales": scales, "total": codes + scales}
+
+
+class QuantizedKVLayer(DynamicLayer):
+    """One layer's quantized cache. Tensors are ``[batch, kv_heads, seq, head_dim]``."""
+
+    def __init__(self, key_spec: QuantSpec, value_spec: QuantSpec, policy: KVPolicy, is_sliding: bool = False):
+        super().__init__()
+        self.key_spec, self.value_spec, self.policy = key_spec, value_spec, policy
+        self.is_sliding = is_sliding
+        self.n_stored = 0
+        self.q_end = policy.sink_tokens  # tokens [sink_tokens, q_end) are quantized
+        self.sink_k = self.sink_v = self.res_k = self.res_v = None
+        self.chunks_k: list[StoredChunk] = []
+        self.chunks_v: list[StoredChunk] = []
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        empty_k = key_states[:, :, :0]
+        empty_v = value_states[:, :, :0]
+        self.sink_k, self.sink_v, self.res_k, self.res_v = empty_k, empty_v, empty_k, empty_v
+        self.keys, self.values = empty_k, empty_v  # transformers reads dtype/device from these
+        self.is_initialized = True
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = torch.cat([self.sink_k, *[c.read() for c in self.chunks_k], self.res_k], dim=-2)
+        values = torch.cat([self.sink_v, *[c.read() for c in self.chunks_v], self.res_v], dim=-2)
+        return keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n_new = key_states.shape[-2]
+        prefill_fp = self.policy.prefill == "fp" and n_new > 1
+        before = self._read() if prefill_fp and self.n_stored > 0 else None
+
+        # sinks first, the rest into the residual
+        room = max(self.policy.sink_tokens - self.sink_k.shape[-2], 0)
+        take = min(room, n_new)
+        if take:
+            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :take]], dim=-2)
+            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=-2)
+        self.res_k = torch.cat([self.res_k, key_states[:, :, take:]], dim=-2)
+        self.res_v = torch.cat([self.res_v, value_states[:, :, take:]], dim=-2)
+        self.n_stored += n_new
+
+        end = min(self.policy.quantized_block_end(self.n_stored), self.n_stored)
+        if end > self.q_end:
+            move = end - self.q_end
+            block = self.policy.residual if self.policy.residual_mode == "block" else None
+            self._store(self.res_k[:, :, :move], self.res_v[:, :, :move], block)
+            self.res_k, self.res_v = self.res_k[:, :, move:], self.res_v[:, :, move:]
+            self.q_end = end
+
+        if prefill_fp:
+            if before is None:
+                return key_states, value_states
+            return torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
+        return self._read()
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, block: int | None) -> None:
+        for x, spec, chunks in ((k, self.key_spec, self.chunks_k), (v, self.value_spec, self.chunks_v)):
+            if spec.is_none:
+                # a layer that keeps this tensor in full precision stores it as a plain chunk
+                chunks.append(_FullPrecisionChunk(x.clone()))
+            else:
+                chunks.append(StoredChunk.store(x, spec, block if spec.granularity == "channel" else None))
+
+    def get_seq_length(self) -> int:
+        return self.n_stored
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n_stored + query_length, 0
+
+    def reset(self) -> None:
+        self.__init__(self.key_spec, self.value_spec, self.policy, self.is_sliding)
+
+    def nbytes(self) -> dict:
+        """Bytes held: ``codes`` (packed), ``scales`` (scales and zero points), ``residual`` (full-precision tokens:
+        sinks, residual window, and tensors whose spec is ``none``)."""
+        out = {"codes": 0, "scales": 0, "residual": 0}
+        if not self.is_initialized:
+            return {**out, "total": 0}
+        for t in (self.sink_k, self.sink_v, self.res_k, self.res_v):
+            out["residual"] += t.numel() * t.element_size()
+        for chunk in (*self.chunks_k, *self.chunks_v):
+            b = chunk.nbytes()
+            if isinstance(chunk, _FullPrecisionChunk):
+                out["residual"] += b["total"]
+            else:
+                out["codes"] += b["codes"]
+                out["scales"] += b["scales"]
+        out["total"] = out["codes"] + out["scales"] + out["residual"]
+        return out
+
+
+@dataclass
+class _FullPrecisionChunk:
+    x: torch.Tensor
+
+    def read(self) -> torch.Tensor:
+        return self.x
+
+    def nbytes(self) -> dict:
+        n = self.x.numel() * self.x.element_size()
+        return {"codes": 0, "scales": 0, "total": n}
+
+
+def cache_kwargs(model, cache: Cache) -> dict:
+    """The keyword that hands a cache to ``model.forward``: ``cache`` in newer transformers 5.x releases,
+    ``past_key_values`` before (``generate()`` takes ``past_key_values``)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+def _sliding_layers(model) -> set[int]:
+    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
+    types = getattr(cfg, "layer_types", None) or []
+    return {i for i, t in enumerate(types) if t == "sliding_attention"}
+
+
+class QuantizedKVCache(Cache):
+    """A transformers ``Cache`` whose layers store K/V quantized under ``policy``.
+
+    All tokens are kept (sliding-window layers included; their mask limits what they see), so that the memory
+    bill of a full-attention model is exact.
+    """
+
+    def __init__(self, model, policy: KVPolicy):
+        modules = attention_modules(model)
+        n = len(modules)
+        sliding = _sliding_layers(model)
+        layers = [
+            QuantizedKVLayer(*policy.specs_for_layer(m.layer_idx, n), policy, is_sliding=m.layer_idx in sliding)
+            for m in modules
+        ]
+        super().__init__(layers=layers)
+        self.policy = policy
+
+    def nbytes(self) -> dict:
+        """Bytes held by all layers: ``codes``, ``scales``, ``residual`` and ``total``."""
+        total = {"codes": 0, "scales": 0, "residual": 0, "total": 0}
+        for layer in self.layers:
+            for k, v in layer.nbytes().items():
+                total[k] += v
+        return total

@@ -1,0 +1,187 @@
+"""Single-pass exact emulation of a quantized KV cache (teacher forcing).
+
+``with emulate(model, policy): logits = model(input_ids).logits`` runs the whole sequence in one forward pass
+and gives the logits that token-by-token decoding through ``QuantizedKVCache`` would give under the same policy,
+up to float rounding. Each query ``t`` attends to the version of every key/value ``j <= t`` that the real cache
+holds at the step that decodes ``t``: full precision inside the residual window, for sinks and (with
+``prefill: fp``) for prompt queries; quantized otherwise; per-channel blocks only once complete.
+
+How mixed visibility stays exact and cheap: quantization of a token (or of a complete block) does not depend on
+the step at which it happens, so every key has exactly two versions, ``k`` and ``k̂``. Attention runs once over
+the concatenation ``[k ; k̂]`` (``[v ; v̂]``) with a mask ``[M ∧ causal , ¬M ∧ causal]`` where ``M[t, j]`` says
+"query t sees token j in full precision" (``KVPolicy.full_precision_mask``). The softmax then covers exactly one
+version of each visible token. Cost: one attention call over 2T keys; when ``M`` is empty (no residual, no sinks,
+no FP prefill) it is one call over ``k̂`` alone.
+
+Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from kveval.errors import KvevalError
+from kveval.patch import attention as attn
+from kveval.patch.diagnostics import TensorErrorStats
+from kveval.policy import KVPolicy
+from kveval.quant import QuantSpec, fake_quantize
+
+
+def quantized_version(x: torch.Tensor, spec: QuantSpec, policy: KVPolicy) -> torch.Tensor:
+    """The quantized version ``x̂`` of every token that the real cache would ever quantize.
+
+    x: ``[batch, kv_heads, T, head_dim]``. Sink tokens and, in block mode, the tokens of the last incomplete
+    block are never quantized; they are returned unchanged (the mask never selects their quantized version).
+    Per-channel specs take statistics over each block of ``policy.residual`` tokens after the sinks.
+    """
+    if spec.is_none:
+        return x
+    T = x.shape[-2]
+    start = min(policy.sink_tokens, T)
+    end = policy.quantized_block_end(T) if policy.residual_mode == "block" else T
+    if end <= start:
+        return x
+    block = policy.residual if spec.granularity == "channel" else None
+    region = fake_quantize(x[:, :, start:end], spec, channel_block=block)
+    if start == 0 and end == T:
+        return region
+    return torch.cat([x[:, :, :start], region, x[:, :, end:]], dim=-2)
+
+
+@dataclass
+class LayerEmulation:
+    """The emulation state attached to one attention module."""
+
+    layer_idx: int
+    key_spec: QuantSpec
+    value_spec: QuantSpec
+    policy: KVPolicy
+    implementation: str
+    prefill_len: int = 0
+    diagnostics: bool = False
+    calls: int = 0
+    key_stats: TensorErrorStats = field(default_factory=TensorErrorStats)
+    value_stats: TensorErrorStats = field(default_factory=TensorErrorStats)
+    _mask_cache: dict = field(default_factory=dict)
+
+    @property
+    def quantizes(self) -> bool:
+        return not (self.key_spec.is_none and self.value_spec.is_none)
+
+    def visibility(self, T: int, device) -> torch.Tensor:
+        """``M [T, T]``: True where query t sees token j in full precision (cached per length)."""
+        key = (T, str(device))
+        if key not in self._mask_cache:
+            self._mask_cache.clear()
+            self._mask_cache[key] = self.policy.full_precision_mask(T, T, self.prefill_len, device=device)
+        return self._mask_cache[key]
+
+    def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
+        self.calls += 1
+        stock = attn.stock_attention(module, self.implementation)
+        if not self.quantizes:
+            return stock(module, query, key, value, attention_mask, *args, **kwargs)
+        T = key.shape[-2]
+        if query.shape[-2] != T:
+            raise KvevalError(
+                "emulate() evaluates whole sequences in one pass; do not pass past_key_values (use QuantizedKVCache to decode)"
+            )
+        k_hat = quantized_version(key, self.key_spec, self.policy)
+        v_hat = quantized_version(value, self.value_spec, self.policy)
+        if self.diagnostics:
+            self.key_stats.update(key, k_hat)
+            self.value_stats.update(value, v_hat)
+        allowed = attn.allowed_mask(attention_mask, T, T, key.device)
+        fp = self.visibility(T, key.device)
+        causal = torch.ones(T, T, dtype=torch.bool, device=key.device).tril()
+        if not bool((fp & causal).any()):
+            return stock(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
+        mask = torch.cat([allowed & fp, allowed & ~fp], dim=-1)
+        mask = attn.inner_mask(mask, self.implementation, query.dtype)
+        keys = torch.cat([key, k_hat], dim=-2)
+        values = torch.cat([value, v_hat], dim=-2)
+        return stock(module, query, keys, values, mask, *args, **kwargs)
+
+
+def _dispatch(state: LayerEmulation, module, query, key, value, attention_mask, *args, **kwargs):
+    return state.attend(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+class Emulation:
+    """The handle ``emulate()`` yields: per-layer states, counts, and the diagnostics."""
+
+    def __init__(self, states: list[LayerEmulation]):
+        self.states = states
+
+    @property
+    def layers_quantized(self) -> int:
+        """How many attention layers quantize K or V (layers whose specs are both ``none`` are not counted)."""
+        return sum(1 for s in self.states if s.quantizes)
+
+    def diagnostics(self) -> list[dict]:
+        """Per layer: relative MSE, SQNR (dB), max |error| and the top outlier channels, for K and for V."""
+        out = []
+        for s in self.states:
+            row = {"layer": s.layer_idx}
+            for name, stats in (("key", s.key_stats), ("value", s.value_stats)):
+                for k, v in stats.summary().items():
+                    row[f"{name}_{k}"] = v
+            out.append(row)
+        return out
+
+
+@contextmanager
+def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool = False):
+    """Patch ``model`` so that a forward pass over whole sequences emulates ``policy``'s quantized cache.
+
+    ``prefill_len``: how many leading tokens form the prompt (``policy.prefill`` decides whether prompt queries
+    see the prompt in full precision); 0 means every token is decoded one at a time (perplexity). The model is
+    restored on exit, also after an exception. Raises ``KvevalError`` if the model's attention cannot be patched,
+    and ``RuntimeError`` if a forward pass bypasses a patched layer (never a silent full-precision run).
+    """
+    modules = attn.attention_modules(model)
+    if not modules:
+        raise KvevalError(f"{type(model).__name__}: no attention modules with a layer index found; cannot patch")
+    original = attn.current_implementation(model)
+    base = original.removeprefix("kveval_")
+    if base not in attn.WRAPPABLE:
+        raise KvevalError(
+            f"attention implementation '{original}' cannot be emulated; load the model with sdpa or eager attention"
+        )
+    attn.install(_dispatch)
+    num_layers = len(modules)
+    states = []
+    for module in modules:
+        k_spec, v_spec = policy.specs_for_layer(module.layer_idx, num_layers)
+        states.append(
+            LayerEmulation(module.layer_idx, k_spec, v_spec, policy, base, prefill_len=prefill_len, diagnostics=diagnostics)
+        )
+
+    def before(_module, _args):
+        for s in states:
+            s.calls = 0
+
+    def after(_module, _args, _output):
+        missed = [s.layer_idx for s in states if s.calls == 0]
+        if missed:
+            raise RuntimeError(
+                f"kveval: attention layers {missed} were not reached through the patched attention; "
+                "this model cannot be emulated faithfully"
+            )
+
+    hooks = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    for module, state in zip(modules, states):
+        setattr(module, attn.STATE_ATTR, state)
+    attn.set_implementation(model, f"kveval_{base}")
+    try:
+        yield Emulation(states)
+    finally:
+        for h in hooks:
+            h.remove()
+        for module in modules:
+            if hasattr(module, attn.STATE_ATTR):
+                delattr(module, attn.STATE_ATTR)
+        attn.set_implementation(model, original)

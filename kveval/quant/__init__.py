@@ -1,0 +1,33 @@
+"""Pure-maths KV-cache quantizers: QuantSpec (what), primitives (how), presets (named specs).
+
+Tensors are K or V states [batch, kv_heads, seq, head_dim]. Imports nothing from transformers or the rest of kveval.
+"""
+
+from .presets import preset, preset_names
+from .primitives import (
+    QParams,
+    QuantizedTensor,
+    choose_qparams,
+    dequantize,
+    fake_quantize,
+    pack,
+    packed_nbytes,
+    quantize,
+    unpack,
+)
+from .spec import QuantSpec
+
+__all__ = [
+    "QuantSpec",
+    "QParams",
+    "QuantizedTensor",
+    "choose_qparams",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+    "pack",
+    "unpack",
+    "packed_nbytes",
+    "preset",
+    "preset_names",
+]

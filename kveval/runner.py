@@ -1,0 +1,104 @@
+"""Run one experiment: set up (model, data, results folder), run each task, aggregate, report."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from kveval.config import ExperimentConfig
+from kveval.errors import KvevalError
+from kveval.policy import KVPolicy
+from kveval.progress import Progress
+from kveval.results import RunDir, environment, now
+
+
+@dataclass
+class RunContext:
+    """What a task gets: the config, the loaded model and data, the run folder, and a way to report progress."""
+
+    cfg: ExperimentConfig
+    run: RunDir
+    model: Any
+    tokenizer: Any
+    policies: dict[str, KVPolicy]
+    info: dict
+    console: Console
+    progress: Progress
+    cache: dict = field(default_factory=dict)
+
+    def tokens(self) -> torch.Tensor:
+        """The corpus as token ids ``[n_tokens]`` (loaded once, cached on disk per tokenizer and corpus)."""
+        if "tokens" not in self.cache:
+            from kveval.data import load_tokens
+
+            d = self.cfg.data
+            self.cache["tokens"] = load_tokens(d.source, self.tokenizer, split=d.split, text_field=d.text_field)
+        return self.cache["tokens"]
+
+
+def merge(into: dict, part: dict) -> dict:
+    """Deep-merge task metrics into the run's metrics."""
+    for key, value in part.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+def task_runners() -> dict[str, Callable[[RunContext, Any], dict]]:
+    from kveval.tasks import TASKS
+
+    return TASKS
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_experiment(
+    cfg: ExperimentConfig, *, overwrite: bool = False, quiet: bool = False, config_path: str | None = None
+) -> dict:
+    """Run every task of ``cfg`` and write the results folder; returns the aggregated metrics."""
+    from kveval.models import load_model, model_info
+
+    console = Console(stderr=False, quiet=False)
+    runners = task_runners()
+    for entry in cfg.tasks:
+        if entry.kind not in runners:
+            raise KvevalError(f"task '{entry.kind}' is not available in this version of kveval")
+    policies = cfg.policies()
+    run = RunDir.open(cfg.output_dir(), cfg.resolved(), overwrite=overwrite)
+    run.repair()
+    started = now()
+    env = environment(cfg.model.device)
+    env["config_path"] = config_path
+    env["command"] = f"kveval run {config_path}" if config_path else None
+    run.write_env(env, started=started)
+
+    seed_everything(cfg.seed)
+    console.print(f"[bold]kveval[/] {cfg.name}: loading {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device})")
+    model, tokenizer = load_model(
+        cfg.model.name, device=cfg.model.device, dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed,
+    )
+    info = model_info(model)
+    for policy in policies.values():
+        policy.check_model(info["num_layers"], info["head_dim"])
+
+    ctx = RunContext(
+        cfg=cfg, run=run, model=model, tokenizer=tokenizer, policies=policies, info=info,
+        console=console, progress=Progress(console, quiet=quiet),
+    )
+    metrics: dict = {"run": cfg.name, "model": cfg.model.name, "baseline": {}, "policies": {n: {} for n in policies}}
+    for entry in cfg.tasks:
+        merge(metrics, runners[entry.kind](ctx, entry.params))
+    run.write_metrics(metrics)
+    run.write_env(env, started=started, finished=now())
+    return metrics

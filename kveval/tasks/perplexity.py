@@ -1,0 +1,175 @@
+"""Perplexity, KL divergence and top-1 agreement of each policy against the full-precision model.
+
+Windows of ``seq_len`` tokens over the corpus (non-overlapping, or sliding with ``stride``: only the tokens not
+scored by the previous window are scored). For each window the FP baseline runs once; each policy runs once
+under ``emulate`` (every token decoded through the quantized cache unless ``prefill_tokens`` > 0). Metrics are
+reduced on the fly: one record per (window, policy) in ``records.jsonl``, full logits are never stored.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kveval.config import PerplexityTask
+from kveval.data import token_windows
+from kveval.errors import KvevalError
+from kveval.models import model_context_limit
+from kveval.patch import emulate
+from kveval.stats import bin_sums, bootstrap_ratio_ci, compare_logits
+
+BASELINE = "baseline"
+
+
+def _record_key(window: int, policy: str) -> str:
+    return f"perplexity/w{window}/{policy}"
+
+
+def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, params: PerplexityTask) -> dict:
+    rec = {
+        "key": _record_key(window.index, policy),
+        "task": "perplexity",
+        "window": window.index,
+        "policy": policy,
+        "start": int(window.start),
+        "n_tokens": int(positions.numel()),
+    }
+    for name in ("nll", "kld", "agree"):
+        rec[f"{name}_sum"] = float(metrics[name].sum())
+    for name in ("nll", "kld"):
+        sums, counts = bin_sums(metrics[name], positions, params.position_bins, params.seq_len)
+        rec[f"bin_{name}"] = sums
+        rec["bin_count"] = counts
+    return rec
+
+
+def run(ctx, params: PerplexityTask) -> dict:
+    """Evaluate every (window, policy) not yet recorded, then aggregate all records into metrics."""
+    limit = model_context_limit(ctx.model)
+    if params.seq_len > limit:
+        raise KvevalError(
+            f"tasks: perplexity.seq_len {params.seq_len} is longer than the model's context ({limit} tokens); lower it"
+        )
+    tokens = ctx.tokens()
+    windows = list(token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens))
+    if not windows:
+        raise KvevalError(f"the corpus has {tokens.numel()} tokens, fewer than one window of seq_len {params.seq_len}")
+    names = [BASELINE, *ctx.policies]
+    done = ctx.run.done_keys()
+    todo = [w for w in windows if any(_record_key(w.index, n) not in done for n in names)]
+    if len(todo) < len(windows):
+        ctx.progress.log(f"perplexity: resuming, {len(windows) - len(todo)} of {len(windows)} windows already recorded")
+
+    model = ctx.model
+    with ctx.progress.task("perplexity", total=len(todo) * len(names), unit="tok") as advance:
+        for w in todo:
+            ids = w.input_ids.to(model.device)
+            targets = ids[1:]
+            # logits positions whose next token is scored (window.score_from indexes the first scored target)
+            scored = torch.arange(w.score_from - 1, len(ids) - 1, device=ids.device)
+            with torch.no_grad():
+                base = model(ids[None]).logits[0, :-1].float()
+            base_scored = base[scored]
+            tgt = targets[scored]
+            for name in names:
+                key = _record_key(w.index, name)
+                if key in done:
+                    advance(0)
+                    continue
+                diag = None
+                if name == BASELINE:
+                    metrics = compare_logits(base_scored, base_scored, tgt)
+                else:
+                    policy = ctx.policies[name]
+                    with emulate(model, policy, prefill_len=params.prefill_tokens, diagnostics=params.diagnostics) as emu:
+                        with torch.no_grad():
+                            logits = model(ids[None]).logits[0, :-1].float()
+                    metrics = compare_logits(base_scored, logits[scored], tgt)
+                    diag = emu.diagnostics() if params.diagnostics else None
+                    layers_quantized = emu.layers_quantized
+                rec = _window_record(w, name, {k: v.cpu() for k, v in metrics.items()}, scored.cpu(), params)
+                if diag is not None:
+                    rec["layers_quantized"] = layers_quantized
+                    rec["layer_errors"] = diag
+                ctx.run.append(rec)
+                advance(len(ids))
+    return aggregate(ctx.run.records(), list(ctx.policies), params, seed=ctx.cfg.seed, threshold=ctx.cfg.threshold)
+
+
+def _layer_summary(records: list[dict]) -> list[dict]:
+    """Mean over windows of each per-layer error statistic."""
+    per_layer: dict[int, dict[str, list]] = {}
+    for rec in records:
+        for row in rec.get("layer_errors") or []:
+            slot = per_layer.setdefault(row["layer"], {})
+            for k, v in row.items():
+                if k != "layer" and isinstance(v, (int, float)):
+                    slot.setdefault(k, []).append(v)
+                elif k != "layer":
+                    slot[k] = v
+    out = []
+    for layer in sorted(per_layer):
+        row = {"layer": layer}
+        for k, v in per_layer[layer].items():
+            row[k] = sum(v) / len(v) if isinstance(v, list) and v and isinstance(v[0], (int, float)) else v
+        out.append(row)
+    return out
+
+
+def _summarise(records: list[dict], params: PerplexityTask, seed: int) -> dict:
+    records = sorted(records, key=lambda r: r["window"])
+    n = sum(r["n_tokens"] for r in records)
+    nll = sum(r["nll_sum"] for r in records)
+    bins = len(records[0]["bin_count"])
+    counts = [sum(r["bin_count"][i] for r in records) for i in range(bins)]
+    out = {
+        "ppl": math.exp(nll / n),
+        "nll_mean": nll / n,
+        "tokens": n,
+        "windows": len(records),
+        "kld_mean": sum(r["kld_sum"] for r in records) / n,
+        "kld_ci95": bootstrap_ratio_ci(
+            [r["kld_sum"] for r in records], [r["n_tokens"] for r in records], n_resamples=params.bootstrap, seed=seed
+        ),
+        "top1_agree": sum(r["agree_sum"] for r in records) / n,
+        "loss_by_position": [
+            sum(r["bin_nll"][i] for r in records) / counts[i] if counts[i] else None for i in range(bins)
+        ],
+        "kld_by_position": [
+            sum(r["bin_kld"][i] for r in records) / counts[i] if counts[i] else None for i in range(bins)
+        ],
+        "position_bin_edges": [params.seq_len * i // bins for i in range(bins + 1)],
+    }
+    layers = _layer_summary(records)
+    if layers:
+        out["layers_quantized"] = records[0].get("layers_quantized")
+        out["layer_errors"] = layers
+        for t in ("key", "value"):
+            vals = [row.get(f"{t}_rel_mse") for row in layers if row.get(f"{t}_rel_mse") is not None]
+            if vals:
+                out[f"{t}_rel_mse_mean"] = sum(vals) / len(vals)
+                out[f"{t}_rel_mse_worst_layer"] = max(layers, key=lambda r: r.get(f"{t}_rel_mse") or 0)["layer"]
+    return out
+
+
+def aggregate(records: list[dict], policies: list[str], params: PerplexityTask, *, seed: int, threshold) -> dict:
+    """metrics.json's perplexity fields from the records (pure: the same records give the same metrics)."""
+    by_policy: dict[str, list[dict]] = {}
+    for rec in records:
+        if rec.get("task") == "perplexity":
+            by_policy.setdefault(rec["policy"], []).append(rec)
+    base = _summarise(by_policy[BASELINE], params, seed)
+    for k in ("kld_mean", "kld_ci95", "top1_agree", "kld_by_position"):
+        base.pop(k, None)
+    out = {"baseline": base, "policies": {}}
+    for name in policies:
+        s = _summarise(by_policy[name], params, seed)
+        s["delta_ppl"] = s["ppl"] - base["ppl"]
+        s["delta_ppl_pct"] = 100.0 * s["delta_ppl"] / base["ppl"]
+        ok = s["delta_ppl_pct"] <= threshold.delta_ppl_pct
+        if threshold.kld is not None:
+            ok = ok and s["kld_mean"] <= threshold.kld
+        s["verdict"] = "pass" if ok else "fail"
+        out["policies"][name] = s
+    return out
