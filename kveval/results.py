@@ -93,18 +93,27 @@ class RunDir:
         self.path = Path(path)
 
     @classmethod
+    def check(cls, path: Path, resolved_config: dict, *, overwrite: bool = False) -> bool:
+        """Whether ``path`` holds a run of another config (True: it will be replaced; only with ``overwrite``)."""
+        config_path = Path(path) / CONFIG_FILE
+        if not config_path.exists():
+            return False
+        same = yaml.safe_load(config_path.read_text()) == yaml.safe_load(yaml.safe_dump(resolved_config, sort_keys=False))
+        if not same and not overwrite:
+            raise KvevalError(
+                f"{path} holds a run of a different config; rerun with --overwrite to replace it, "
+                "or set output: to another folder"
+            )
+        return not same
+
+    @classmethod
     def open(cls, path: Path, resolved_config: dict, *, overwrite: bool = False) -> RunDir:
+        """Create the folder, or reuse it for the same config (resume); replace another config's only with overwrite."""
         run = cls(path)
         config_path = run.path / CONFIG_FILE
         text = yaml.safe_dump(resolved_config, sort_keys=False)
-        if config_path.exists():
-            if yaml.safe_load(config_path.read_text()) != yaml.safe_load(text):
-                if not overwrite:
-                    raise KvevalError(
-                        f"{run.path} holds a run of a different config; rerun with --overwrite to replace it, "
-                        "or set output: to another folder"
-                    )
-                shutil.rmtree(run.path)
+        if cls.check(path, resolved_config, overwrite=overwrite):
+            shutil.rmtree(run.path)
         run.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(config_path, text)
         return run

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.table import Table
 
 from kveval.config import ExperimentConfig
 from kveval.errors import KvevalError
@@ -51,7 +52,7 @@ def merge(into: dict, part: dict) -> dict:
     return into
 
 
-def task_runners() -> dict[str, Callable[[RunContext, Any], dict]]:
+def task_runners() -> dict[str, Any]:
     from kveval.tasks import TASKS
 
     return TASKS
@@ -74,13 +75,8 @@ def run_experiment(
         if entry.kind not in runners:
             raise KvevalError(f"task '{entry.kind}' is not available in this version of kveval")
     policies = cfg.policies()
-    run = RunDir.open(cfg.output_dir(), cfg.resolved(), overwrite=overwrite)
-    run.repair()
-    started = now()
-    env = environment(cfg.model.device)
-    env["config_path"] = config_path
-    env["command"] = f"kveval run {config_path}" if config_path else None
-    run.write_env(env, started=started)
+    out_dir = cfg.output_dir()
+    RunDir.check(out_dir, cfg.resolved(), overwrite=overwrite)  # before any slow work, and before any write
 
     seed_everything(cfg.seed)
     console.print(f"[bold]kveval[/] {cfg.name}: loading {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device})")
@@ -93,12 +89,53 @@ def run_experiment(
         policy.check_model(info["num_layers"], info["head_dim"])
 
     ctx = RunContext(
-        cfg=cfg, run=run, model=model, tokenizer=tokenizer, policies=policies, info=info,
+        cfg=cfg, run=None, model=model, tokenizer=tokenizer, policies=policies, info=info,
         console=console, progress=Progress(console, quiet=quiet),
     )
+    for entry in cfg.tasks:  # every input error surfaces before the results folder is touched
+        check = getattr(runners[entry.kind], "check", None)
+        if check is not None:
+            check(ctx, entry.params)
+
+    run = ctx.run = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite)
+    run.repair()
+    started = now()
+    env = environment(cfg.model.device)
+    env["config_path"] = config_path
+    env["command"] = f"kveval run {config_path}" if config_path else None
+    run.write_env(env, started=started)
     metrics: dict = {"run": cfg.name, "model": cfg.model.name, "baseline": {}, "policies": {n: {} for n in policies}}
     for entry in cfg.tasks:
-        merge(metrics, runners[entry.kind](ctx, entry.params))
+        merge(metrics, runners[entry.kind].run(ctx, entry.params))
     run.write_metrics(metrics)
     run.write_env(env, started=started, finished=now())
+    console.print(summary_table(metrics, cfg))
+    console.print(f"results: {run.path}/")
     return metrics
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary_table(metrics: dict, cfg: ExperimentConfig) -> Table:
+    """The closing console table: one row per policy against the threshold."""
+    thr = cfg.threshold
+    title = f"{cfg.name}: {metrics['model']}, threshold ΔPPL <= {thr.delta_ppl_pct}%" + (
+        f", KLD <= {thr.kld}" if thr.kld is not None else ""
+    )
+    table = Table(title=title, title_justify="left")
+    for col in ("policy", "bits/elem", "PPL", "ΔPPL %", "KLD ± CI95", "top-1", "verdict"):
+        table.add_column(col, justify="left" if col in ("policy", "verdict") else "right")
+    base = metrics.get("baseline", {})
+    table.add_row("baseline", _fmt(base.get("bits_per_element"), ".2f"), _fmt(base.get("ppl"), ".4f"), "", "", "", "")
+    for name, m in metrics.get("policies", {}).items():
+        ci = m.get("kld_ci95")
+        kld = "-" if m.get("kld_mean") is None else f"{m['kld_mean']:.3g} [{ci[0]:.3g}, {ci[1]:.3g}]"
+        verdict = m.get("verdict", "-")
+        style = {"pass": "green", "fail": "red"}.get(verdict, "yellow")
+        table.add_row(
+            name, _fmt(m.get("bits_per_element"), ".2f"), _fmt(m.get("ppl"), ".4f"), _fmt(m.get("delta_ppl_pct"), "+.3f"),
+            kld, _fmt(m.get("top1_agree"), ".4f"), f"[{style}]{verdict}[/]",
+        )
+    return table

@@ -44,17 +44,22 @@ def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, 
     return rec
 
 
-def run(ctx, params: PerplexityTask) -> dict:
-    """Evaluate every (window, policy) not yet recorded, then aggregate all records into metrics."""
+def check(ctx, params: PerplexityTask) -> None:
+    """Input errors: a window longer than the model's context, a corpus shorter than one window."""
     limit = model_context_limit(ctx.model)
     if params.seq_len > limit:
         raise KvevalError(
             f"tasks: perplexity.seq_len {params.seq_len} is longer than the model's context ({limit} tokens); lower it"
         )
     tokens = ctx.tokens()
-    windows = list(token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens))
-    if not windows:
+    if tokens.numel() < params.seq_len:
         raise KvevalError(f"the corpus has {tokens.numel()} tokens, fewer than one window of seq_len {params.seq_len}")
+
+
+def run(ctx, params: PerplexityTask) -> dict:
+    """Evaluate every (window, policy) not yet recorded, then aggregate all records into metrics."""
+    tokens = ctx.tokens()
+    windows = list(token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens))
     names = [BASELINE, *ctx.policies]
     done = ctx.run.done_keys()
     todo = [w for w in windows if any(_record_key(w.index, n) not in done for n in names)]

@@ -1,0 +1,437 @@
+"""The memory bill of a KV cache: exact bytes for a policy, an architecture, a context and a batch.
+
+Pure arithmetic (no transformers import). Every quantized byte count comes from
+:func:`kveval.quant.packed_nbytes`, the same function that sizes the real cache's tensors, so the bill and
+:class:`kveval.patch.cache.QuantizedKVCache` cannot drift apart.
+
+    from kveval.memory import Arch, kv_bytes
+    bill = kv_bytes(Arch.named("llama-7b-mha"), "int4_g64", context=2048)
+    bill.total, bill.codes, bill.scales, bill.residual          # bytes
+
+What is counted, per layer ``l`` with key spec ``Ks`` and value spec ``Vs`` (``specs_for_layer``), for ``n`` stored
+tokens of ``batch`` sequences (K/V tensors ``[batch, kv_heads, n, head_dim]``):
+
+* ``sinks = min(sink_tokens, n)`` and the residual window (tokens not yet quantized) in full precision,
+  ``fp_bytes`` per element (default 2, FP16). A tensor whose spec is ``none`` is full precision for all ``n``.
+* the quantized middle ``[sink_tokens, end)`` with ``end = policy.quantized_block_end(n)``: sliding mode
+  ``max(n - R, S)``; block mode ``S + floor((n - S) / R) * R`` (only complete blocks are quantized).
+  Codes are ``ceil(head_dim * bits / 8)`` bytes per token row (INT b: b/8 byte per element, FP8 1); scales and
+  zero points in their storage dtype per statistics group: token (per token and head), group (per ``group_size``
+  of head_dim), channel (per channel and head per block of ``R`` tokens, amortised), head / tensor (one per head /
+  one per layer: the ideal figure with a single static scale per layer; the real cache stores one per update call).
+
+Worked (the published figures, binary units, symmetric, float32 scales, no zero point), ``llama-7b-mha``
+(32 layers, 32 KV heads, head_dim 128), batch 1, 2048 tokens: FP16 = 2 * 32 * 32 * 2048 * 128 * 2 B = 1 GiB;
+INT8 per-tensor = 512 MiB of codes + 32 layers * 2 tensors * 4 B = 512 MiB + 256 B; INT4 g64 = 256 MiB of codes
++ 2 groups * 4 B per token row (32 MiB) = 288 MiB.
+
+Capacity: ``max_batch = floor((gpu_memory - model_bytes - activation_bytes) / kv_bytes_per_sequence)``.
+Paging (vLLM PagedAttention): ``ceil(L / block_size)`` blocks per sequence; the paged bill is the bill at
+``blocks * block_size`` tokens (the last block's waste included).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from typing import Any
+
+from kveval.errors import KvevalError
+from kveval.policy import KVPolicy
+from kveval.quant import QuantSpec, packed_nbytes
+
+FP16_BYTES = 2
+DEFAULT_BLOCK_SIZE = 16
+
+# name -> (layers, kv_heads, head_dim, parameters)
+NAMED_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    # LLaMA-7B: 6,738,415,616 parameters (32 x 202,383,360 + 2 x 32000 x 4096 embeddings + 4096 norm)
+    "llama-7b-mha": (32, 32, 128, 6_738_415_616),
+    # the same with 4 KV heads (K and V projections 4096 x 512): 939,524,096 fewer parameters
+    "llama-7b-gqa4": (32, 4, 128, 5_798_891_520),
+    # SmolLM2-135M(-Instruct), the builtin model: hidden 576, 9 q / 3 kv heads, tied 49152-token embeddings
+    "smollm2-135m": (30, 3, 64, 134_515_008),
+}
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise KvevalError(f"{what} must be a positive integer; got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The shape of a model's KV cache: ``layers`` x K/V ``[batch, kv_heads, seq, head_dim]``.
+
+    ``params`` (parameter count) and ``weight_bytes_per_param`` (2 = FP16/BF16 weights) size the model for the
+    capacity figures; ``params=None`` means unknown (capacity then needs ``model_bytes``).
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    name: str = "custom"
+    params: int | None = None
+    weight_bytes_per_param: float = 2
+
+    def __post_init__(self) -> None:
+        _positive_int(self.layers, "layers")
+        _positive_int(self.kv_heads, "kv_heads")
+        _positive_int(self.head_dim, "head_dim")
+        if self.params is not None:
+            _positive_int(self.params, "params")
+        if not isinstance(self.weight_bytes_per_param, (int, float)) or self.weight_bytes_per_param <= 0:
+            raise KvevalError(f"weight_bytes_per_param must be positive; got {self.weight_bytes_per_param!r}")
+
+    @classmethod
+    def named(cls, name: str) -> Arch:
+        """A named shape: ``llama-7b-mha`` (32 layers, 32 KV heads, head_dim 128), ``llama-7b-gqa4`` (4 KV heads),
+        ``smollm2-135m`` (30 layers, 3 KV heads, head_dim 64)."""
+        key = str(name).removeprefix("builtin:")
+        if key not in NAMED_SHAPES:
+            import difflib
+
+            close = difflib.get_close_matches(key, list(NAMED_SHAPES), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise KvevalError(f"unknown shape '{name}'{hint} (known shapes: {', '.join(NAMED_SHAPES)})")
+        layers, heads, dim, params = NAMED_SHAPES[key]
+        return cls(layers=layers, kv_heads=heads, head_dim=dim, name=key, params=params)
+
+    @classmethod
+    def from_model_config(cls, config: Any, name: str | None = None, params: int | None = None) -> Arch:
+        """From a transformers config (or its ``to_dict()``): ``num_hidden_layers``, ``num_key_value_heads``
+        (else ``num_attention_heads``), ``head_dim`` (else ``hidden_size // num_attention_heads``).
+
+        ``params`` defaults to an estimate for Llama-like decoders (attention + gated MLP + norms + embeddings),
+        None when the config lacks ``intermediate_size`` or ``vocab_size``.
+        """
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        cfg = config if isinstance(config, dict) else config.to_dict() if hasattr(config, "to_dict") else vars(config)
+        if isinstance(cfg.get("text_config"), dict):
+            cfg = cfg["text_config"]
+        try:
+            layers = cfg["num_hidden_layers"]
+            heads = cfg["num_attention_heads"]
+        except KeyError as exc:
+            raise KvevalError(f"model config has no {exc.args[0]!r}; give --layers --kv-heads --head-dim") from None
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if cfg.get("hidden_size") else None)
+        if head_dim is None:
+            raise KvevalError("model config has neither 'head_dim' nor 'hidden_size'; give --head-dim")
+        if params is None:
+            params = _estimate_params(cfg, layers, heads, kv_heads, head_dim)
+        nm = name or cfg.get("_name_or_path") or cfg.get("model_type") or "custom"
+        return cls(layers=layers, kv_heads=kv_heads, head_dim=head_dim, name=str(nm), params=params)
+
+    @classmethod
+    def from_model(cls, model: Any, weight_bytes_per_param: float = 2) -> Arch:
+        """From a loaded model: its config's shape and its exact parameter count."""
+        arch = cls.from_model_config(model.config, name=getattr(model, "kveval_name", None) or None)
+        n = sum(p.numel() for p in model.parameters())
+        return replace(arch, params=n, weight_bytes_per_param=weight_bytes_per_param)
+
+    @property
+    def model_bytes(self) -> int | None:
+        """Weight bytes: ``params * weight_bytes_per_param`` (None when the parameter count is unknown)."""
+        return None if self.params is None else int(self.params * self.weight_bytes_per_param)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "params": self.params, "weight_bytes_per_param": self.weight_bytes_per_param}
+
+
+def _estimate_params(cfg: dict, layers: int, heads: int, kv_heads: int, head_dim: int) -> int | None:
+    hidden, inter, vocab = cfg.get("hidden_size"), cfg.get("intermediate_size"), cfg.get("vocab_size")
+    if not (hidden and inter and vocab):
+        return None
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    mlp = 3 * hidden * inter
+    per_layer = attn + mlp + 2 * hidden
+    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings", True) else 2)
+    return layers * per_layer + embed + hidden
+
+
+# ------------------------------------------------------------------------------------------------- the bill
+
+
+@dataclass(frozen=True)
+class Part:
+    """Bytes of one tensor kind (or a sum): ``scales`` includes zero points; ``residual`` is full precision."""
+
+    codes: int = 0
+    scales: int = 0
+    residual: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.codes + self.scales + self.residual
+
+    def __add__(self, other: Part) -> Part:
+        return Part(self.codes + other.codes, self.scales + other.scales, self.residual + other.residual)
+
+    def to_dict(self) -> dict:
+        return {"codes": self.codes, "scales": self.scales, "residual": self.residual, "total": self.total}
+
+
+@dataclass(frozen=True)
+class Bill:
+    """The bytes of a KV cache holding ``context`` tokens of ``batch`` sequences.
+
+    ``total = codes + scales + residual``; ``key`` / ``value`` split the sums by tensor; ``per_layer[i]`` is
+    ``(key Part, value Part)`` of layer i; ``quantized_tokens`` / ``fp_tokens`` are per sequence, for a layer
+    whose specs quantize (sinks + residual window are ``fp_tokens``).
+    """
+
+    policy: str
+    context: int
+    batch: int
+    key: Part
+    value: Part
+    per_layer: tuple[tuple[Part, Part], ...] = field(repr=False)
+    quantized_tokens: int
+    fp_tokens: int
+    elements: int  # K and V elements held (2 * layers * batch * kv_heads * context * head_dim)
+
+    @property
+    def codes(self) -> int:
+        return self.key.codes + self.value.codes
+
+    @property
+    def scales(self) -> int:
+        return self.key.scales + self.value.scales
+
+    @property
+    def residual(self) -> int:
+        return self.key.residual + self.value.residual
+
+    @property
+    def total(self) -> int:
+        return self.codes + self.scales + self.residual
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Total bytes per token of one sequence, amortised over the context (scales and windows included)."""
+        return self.total / (self.batch * self.context)
+
+    @property
+    def bits_per_element(self) -> float:
+        """Average stored bits per K/V element, scales, zero points and full-precision tokens included."""
+        return 8 * self.total / self.elements
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "context": self.context, "batch": self.batch, "total": self.total,
+                "codes": self.codes, "scales": self.scales, "residual": self.residual,
+                "bytes_per_token": self.bytes_per_token, "key": self.key.to_dict(), "value": self.value.to_dict()}
+
+
+def as_policy(policy: KVPolicy | str) -> KVPolicy:
+    """A KVPolicy from a policy or a preset name (``KVPolicy.preset``); ``fp16``/``none`` are full precision."""
+    if isinstance(policy, KVPolicy):
+        return policy
+    if isinstance(policy, str):
+        return KVPolicy.preset(policy.strip())
+    raise KvevalError(f"expected a KV policy or a preset name; got {policy!r}")
+
+
+def token_split(policy: KVPolicy, n: int) -> tuple[int, int]:
+    """(full-precision tokens, quantized tokens) of one sequence after ``n`` tokens are stored, exactly as the real
+    cache splits them: sinks ``min(S, n)``, quantized ``[S, min(quantized_block_end(n), n))``, the rest residual."""
+    end = min(policy.quantized_block_end(n), n)
+    quantized = max(end - policy.sink_tokens, 0)
+    return n - quantized, quantized
+
+
+def _tensor_part(spec: QuantSpec, policy: KVPolicy, arch: Arch, batch: int, n: int, fp_bytes: int) -> Part:
+    B, H, D = batch, arch.kv_heads, arch.head_dim
+    if spec.is_none:
+        return Part(residual=B * H * n * D * fp_bytes)
+    n_fp, n_q = token_split(policy, n)
+    residual = B * H * n_fp * D * fp_bytes
+    if n_q == 0:
+        return Part(residual=residual)
+    cb = policy.residual if spec.granularity == "channel" else None
+    nb = packed_nbytes(spec, (B, H, n_q, D), channel_block=cb)
+    return Part(codes=nb["codes"], scales=nb["scales"], residual=residual)
+
+
+def _check_sizes(context: Any, batch: Any, fp_bytes: Any) -> None:
+    _positive_int(context, "context")
+    _positive_int(batch, "batch")
+    _positive_int(fp_bytes, "fp_bytes")
+
+
+def kv_bytes(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1, fp_bytes: int = FP16_BYTES) -> Bill:
+    """The bill of ``batch`` sequences of ``context`` tokens under ``policy`` (a KVPolicy or a preset name).
+
+    ``fp_bytes``: bytes per full-precision element (residual window, sinks, ``none`` specs): 2 for FP16/BF16
+    serving, 4 for a float32 model. Raises KvevalError for sizes <= 0 or a group size that does not divide
+    head_dim.
+    """
+    _check_sizes(context, batch, fp_bytes)
+    pol = as_policy(policy)
+    pol.check_model(arch.layers, arch.head_dim)
+    per_layer = []
+    key = value = Part()
+    for i in range(arch.layers):
+        ks, vs = pol.specs_for_layer(i, arch.layers)
+        k = _tensor_part(ks, pol, arch, batch, context, fp_bytes)
+        v = _tensor_part(vs, pol, arch, batch, context, fp_bytes)
+        per_layer.append((k, v))
+        key, value = key + k, value + v
+    n_fp, n_q = token_split(pol, context)
+    return Bill(policy=pol.name, context=context, batch=batch, key=key, value=value, per_layer=tuple(per_layer),
+                quantized_tokens=n_q, fp_tokens=n_fp,
+                elements=2 * arch.layers * batch * arch.kv_heads * context * arch.head_dim)
+
+
+def fp16_bytes(arch: Arch, context: int, batch: int = 1) -> int:
+    """Bytes of the unquantized FP16 cache: ``2 (K, V) * layers * batch * kv_heads * context * head_dim * 2``."""
+    _check_sizes(context, batch, 1)
+    return 2 * arch.layers * batch * arch.kv_heads * context * arch.head_dim * FP16_BYTES
+
+
+# ------------------------------------------------------------------------------------------------- capacity
+
+
+def kv_budget(arch: Arch, gpu_memory: int, model_bytes: int | None = None, activation_bytes: int = 0) -> int:
+    """Bytes left for the KV cache: ``gpu_memory - model_bytes - activation_bytes`` (model bytes from the arch's
+    parameter count and weight dtype unless given). A GPU too small to hold the model raises KvevalError."""
+    if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or gpu_memory <= 0:
+        raise KvevalError(f"gpu_memory must be a positive number of bytes; got {gpu_memory!r}")
+    if activation_bytes < 0:
+        raise KvevalError(f"activation_bytes must be >= 0; got {activation_bytes!r}")
+    weights = arch.model_bytes if model_bytes is None else model_bytes
+    if weights is None:
+        weights = 0  # parameter count unknown (explicit shape): the whole GPU is for the cache
+    if weights < 0:
+        raise KvevalError(f"model_bytes must be >= 0; got {model_bytes!r}")
+    left = gpu_memory - weights - activation_bytes
+    if left <= 0:
+        raise KvevalError(
+            f"GPU memory {format_bytes(gpu_memory)} is too small to hold the model "
+            f"({format_bytes(weights)} of weights + {format_bytes(activation_bytes)} of activations)"
+        )
+    return left
+
+
+def max_batch(arch: Arch, policy: KVPolicy | str, context: int, gpu_memory: int, model_bytes: int | None = None,
+              activation_bytes: int = 0, fp_bytes: int = FP16_BYTES) -> int:
+    """``floor((gpu_memory - model_bytes - activation_bytes) / kv_bytes_per_sequence)`` (may be 0).
+
+    Worked: llama-7b-mha, FP16 at 2048 tokens (1 GiB per sequence) on 80 GiB with 6,738,415,616 * 2 B of weights
+    (12.55 GiB): floor(67.45) = 67.
+    """
+    budget = kv_budget(arch, gpu_memory, model_bytes, activation_bytes)
+    per_seq = kv_bytes(arch, policy, context, 1, fp_bytes).total
+    return int(budget // per_seq)
+
+
+def max_context(arch: Arch, policy: KVPolicy | str, gpu_memory: int, batch: int = 1,
+                model_bytes: int | None = None, activation_bytes: int = 0, fp_bytes: int = FP16_BYTES) -> int:
+    """The longest context L such that ``kv_bytes(arch, policy, L, batch).total`` fits the budget (0 if none)."""
+    budget = kv_budget(arch, gpu_memory, model_bytes, activation_bytes)
+    pol = as_policy(policy)
+
+    def fits(n: int) -> bool:
+        return kv_bytes(arch, pol, n, batch, fp_bytes).total <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo), not fits(hi); bytes grow with n
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# ------------------------------------------------------------------------------------------------- paging
+
+
+@dataclass(frozen=True)
+class Paging:
+    """vLLM-style paged storage of ``batch`` sequences of ``context`` tokens in blocks of ``block_size`` tokens.
+
+    ``blocks_per_sequence = ceil(context / block_size)``; ``blocks = batch * blocks_per_sequence``;
+    ``total`` = the bill at ``blocks_per_sequence * block_size`` tokens (the last block's waste included);
+    ``waste = total - bill.total``; ``block_bytes`` = bytes of one block of quantized tokens across all layers,
+    K and V (steady state: scales per token/group, per-channel scales amortised over their token block; per-layer
+    tensor/head scales and full-precision windows are not per block).
+    """
+
+    block_size: int
+    blocks_per_sequence: int
+    blocks: int
+    total: int
+    waste: int
+    block_bytes: float
+
+    def tokens_for(self, budget: int) -> int:
+        """Tokens that ``budget`` bytes of blocks hold: ``floor(budget / block_bytes) * block_size``."""
+        return int(budget // self.block_bytes) * self.block_size if self.block_bytes else 0
+
+    def to_dict(self) -> dict:
+        return {"block_size": self.block_size, "blocks_per_sequence": self.blocks_per_sequence,
+                "blocks": self.blocks, "total": self.total, "waste": self.waste, "block_bytes": self.block_bytes}
+
+
+def block_bytes(arch: Arch, policy: KVPolicy | str, block_size: int = DEFAULT_BLOCK_SIZE,
+                fp_bytes: int = FP16_BYTES) -> float:
+    """Bytes of one block of ``block_size`` quantized tokens (one sequence, all layers, K and V).
+
+    Worked: llama-7b-mha, INT4 g64 symmetric with float32 scales, 16 tokens: 32 layers * 2 * 32 heads * 16 *
+    (64 B codes + 8 B scales) = 2,359,296 B (2.25 MiB; FP16: 4 MiB).
+    """
+    _positive_int(block_size, "block_size")
+    pol = as_policy(policy)
+    pol.check_model(arch.layers, arch.head_dim)
+    H, D = arch.kv_heads, arch.head_dim
+    total = Fraction(0)
+    for i in range(arch.layers):
+        for spec in pol.specs_for_layer(i, arch.layers):
+            if spec.is_none:
+                total += H * block_size * D * fp_bytes
+            elif spec.granularity in ("tensor", "head"):
+                total += packed_nbytes(spec, (1, H, block_size, D))["codes"]
+            elif spec.granularity == "channel":
+                r = pol.residual
+                nb = packed_nbytes(spec, (1, H, r, D), channel_block=r)
+                total += Fraction(nb["codes"] * block_size, r) + Fraction(nb["scales"] * block_size, r)
+            else:
+                total += packed_nbytes(spec, (1, H, block_size, D))["total"]
+    return int(total) if total.denominator == 1 else float(total)
+
+
+def paging(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1,
+           block_size: int = DEFAULT_BLOCK_SIZE, fp_bytes: int = FP16_BYTES) -> Paging:
+    """Paged-block figures (see :class:`Paging`). Worked: 2050 tokens in blocks of 16 -> 129 blocks, the last
+    holding 2 tokens and wasting 14 tokens' bytes."""
+    _positive_int(block_size, "block_size")
+    _check_sizes(context, batch, fp_bytes)
+    per_seq = -(-context // block_size)
+    paged = kv_bytes(arch, policy, per_seq * block_size, batch, fp_bytes).total
+    exact = kv_bytes(arch, policy, context, batch, fp_bytes).total
+    return Paging(block_size=block_size, blocks_per_sequence=per_seq, blocks=batch * per_seq, total=paged,
+                  waste=paged - exact, block_bytes=block_bytes(arch, policy, block_size, fp_bytes))
+
+
+# ------------------------------------------------------------------------------------------------- formatting
+
+
+def format_bytes(n: float) -> str:
+    """Binary units: ``format_bytes(3 * 2**29) == '1.50 GiB'``, ``format_bytes(256) == '256 B'``."""
+    n = float(n)
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:g} B"
+
+
+__all__ = [
+    "Arch", "Bill", "Part", "Paging", "NAMED_SHAPES", "kv_bytes", "fp16_bytes", "max_batch", "max_context",
+    "kv_budget", "paging", "block_bytes", "token_split", "as_policy", "format_bytes",
+]
