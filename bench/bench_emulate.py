@@ -46,7 +46,7 @@ def main() -> None:
         policy = KVPolicy.preset(name)
 
         @torch.no_grad()
-        def patched():
+        def patched(policy=policy):
             with emulate(model, policy):
                 model(ids)
 

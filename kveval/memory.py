@@ -17,8 +17,8 @@ tokens of ``batch`` sequences (K/V tensors ``[batch, kv_heads, n, head_dim]``):
   ``max(n - R, S)``; block mode ``S + floor((n - S) / R) * R`` (only complete blocks are quantized).
   Codes are ``ceil(head_dim * bits / 8)`` bytes per token row (INT b: b/8 byte per element, FP8 1); scales and
   zero points in their storage dtype per statistics group: token (per token and head), group (per ``group_size``
-  of head_dim), channel (per channel and head per block of ``R`` tokens, amortised), head / tensor (one per head /
-  one per layer: the ideal figure with a single static scale per layer; the real cache stores one per update call).
+  of head_dim), channel (per channel and head per block of ``R`` tokens, amortised), head / tensor (static: one per
+  head / one per layer and tensor, whatever the batch and context).
 
 Worked (the published figures, binary units, symmetric, float32 scales, no zero point), ``llama-7b-mha``
 (32 layers, 32 KV heads, head_dim 128), batch 1, 2048 tokens: FP16 = 2 * 32 * 32 * 2048 * 128 * 2 B = 1 GiB;
@@ -32,7 +32,6 @@ Paging (vLLM PagedAttention): ``ceil(L / block_size)`` blocks per sequence; the 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any

@@ -38,3 +38,9 @@ def builtin_model():
     Shared: tests must not modify it (patches must restore it on exit).
     """
     return load_model("builtin:smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def builtin_model64():
+    """(model, tokenizer): builtin:smollm2-135m cast to float64 (for exact equivalence checks)."""
+    return load_model("builtin:smollm2-135m", dtype="float64")

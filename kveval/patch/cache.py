@@ -48,6 +48,28 @@ class StoredChunk:
             return cls(qt=qt, packed=packed, n_codes=n)
         return cls(qt=qt, packed=None, n_codes=qt.codes.shape[-1])
 
+    def extend(self, other: StoredChunk) -> StoredChunk:
+        """One chunk holding this chunk's tokens followed by ``other``'s (so that a read is one dequantize call).
+
+        Codes, packed rows, scales and zero points all carry tokens (or token blocks) on dim 2; per-tensor and
+        per-head scales are static, the same in both chunks, and kept once."""
+        a, b = self.qt, other.qt
+
+        def cat(x, y):
+            if x is None:
+                return None
+            if a.spec.granularity in ("tensor", "head") and a.spec.ggml is None:
+                return x
+            return torch.cat([x, y], dim=2)
+
+        shape = torch.Size([*a.shape[:2], a.shape[2] + b.shape[2], a.shape[3]])
+        qt = QuantizedTensor(**{
+            **a.__dict__, "codes": torch.cat([a.codes, b.codes], dim=2) if self.packed is None else a.codes,
+            "scale": cat(a.scale, b.scale), "zero_point": cat(a.zero_point, b.zero_point), "shape": shape,
+        })
+        packed = None if self.packed is None else torch.cat([self.packed, other.packed], dim=2)
+        return StoredChunk(qt=qt, packed=packed, n_codes=self.n_codes)
+
     def read(self) -> torch.Tensor:
         if self.packed is None:
             return dequantize(self.qt)
@@ -74,7 +96,7 @@ class QuantizedKVLayer(DynamicLayer):
         self.n_stored = 0
         self.q_end = policy.sink_tokens  # tokens [sink_tokens, q_end) are quantized
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
-        self.chunks_k: list[StoredChunk] = []
+        self.chunks_k: list[StoredChunk] = []  # at most one chunk each: new tokens are merged into it
         self.chunks_v: list[StoredChunk] = []
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -125,9 +147,13 @@ class QuantizedKVLayer(DynamicLayer):
         for x, spec, chunks in ((k, self.key_spec, self.chunks_k), (v, self.value_spec, self.chunks_v)):
             if spec.is_none:
                 # a layer that keeps this tensor in full precision stores it as a plain chunk
-                chunks.append(_FullPrecisionChunk(x.clone()))
+                new = _FullPrecisionChunk(x.clone())
             else:
-                chunks.append(StoredChunk.store(x, spec, block if spec.granularity == "channel" else None))
+                new = StoredChunk.store(x, spec, block if spec.granularity == "channel" else None)
+            if chunks:
+                chunks[0] = chunks[0].extend(new)
+            else:
+                chunks.append(new)
 
     def get_seq_length(self) -> int:
         return self.n_stored
@@ -163,6 +189,9 @@ class _FullPrecisionChunk:
 
     def read(self) -> torch.Tensor:
         return self.x
+
+    def extend(self, other: _FullPrecisionChunk) -> _FullPrecisionChunk:
+        return _FullPrecisionChunk(torch.cat([self.x, other.x], dim=2))
 
     def nbytes(self) -> dict:
         n = self.x.numel() * self.x.element_size()
