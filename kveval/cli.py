@@ -76,6 +76,30 @@ def validate(
     print(f"{config}: ok (model {cfg.model.name}; policies {names}; tasks {tasks}; output {cfg.output_dir()})")
 
 
+@app.command()
+@user_errors
+def memory(
+    model: Annotated[str | None, typer.Option(help="Model (builtin:NAME, hub id, local dir): only its config is read.")] = None,
+    shape: Annotated[str | None, typer.Option(help="Named shape: llama-7b-mha, llama-7b-gqa4, smollm2-135m.")] = None,
+    layers: Annotated[int | None, typer.Option(help="Explicit shape: number of layers.")] = None,
+    kv_heads: Annotated[int | None, typer.Option(help="Explicit shape: KV heads per layer.")] = None,
+    head_dim: Annotated[int | None, typer.Option(help="Explicit shape: head dimension.")] = None,
+    context: Annotated[int, typer.Option(help="Tokens per sequence.")] = 2048,
+    batch: Annotated[int, typer.Option(help="Sequences.")] = 1,
+    kv: Annotated[str | None, typer.Option(help="Comma-separated policies (default: a representative set).")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="GPU memory for max batch, e.g. 80GiB.")] = None,
+    block_size: Annotated[int, typer.Option(help="Paged-attention block size in tokens.")] = 16,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the documented JSON schema instead of a table.")] = False,
+):
+    """The exact memory bill of KV policies: codes, scales, full-precision windows, max batch, paged blocks."""
+    from kveval.memory_report import memory_command
+
+    print(memory_command(
+        model=model, shape=shape, layers=layers, kv_heads=kv_heads, head_dim=head_dim, context=context, batch=batch,
+        kv=kv, gpu_memory=gpu_memory, block_size=block_size, json_output=json_output,
+    ), end="")
+
+
 @app.command("ls")
 @user_errors
 def list_things():

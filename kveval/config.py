@@ -9,6 +9,7 @@ A config is pure data (YAML); nothing in it is executed. Shape::
     tasks:
       - perplexity: {seq_len: 512, max_tokens: 4096}
     threshold: {delta_ppl_pct: 1.0}
+    memory: {gpu_memory: 80GiB}          # max_batch in metrics.json is computed for this GPU size
     output: results/int4_g64             # default: results/<name>
     seed: 0
 
@@ -27,16 +28,14 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
+from kveval.schema import Strict
+from kveval.tasks import TASKS
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
 
 
 class ModelConfig(Strict):
@@ -52,34 +51,10 @@ class DataConfig(Strict):
     split: str | None = None
 
 
-class PerplexityTask(Strict):
-    """Perplexity, KL divergence and top-1 agreement against the full-precision model."""
-
-    seq_len: int = Field(512, gt=1)
-    stride: int | None = Field(None, gt=0)
-    max_tokens: int | None = Field(4096, gt=0)
-    prefill_tokens: int = Field(0, ge=0)
-    position_bins: int = Field(8, gt=0)
-    bootstrap: int = Field(1000, ge=0)
-    diagnostics: bool = True
-
-    @model_validator(mode="after")
-    def _stride_fits(self):
-        if self.stride is not None and self.stride > self.seq_len:
-            raise ValueError(f"stride {self.stride} is larger than seq_len {self.seq_len}")
-        if self.prefill_tokens >= self.seq_len:
-            raise ValueError(f"prefill_tokens {self.prefill_tokens} must be smaller than seq_len {self.seq_len}")
-        return self
+TASK_TYPES: dict[str, type[Strict]] = {name: module.Params for name, module in TASKS.items()}
 
 
-TASK_TYPES: dict[str, type[Strict]] = {"perplexity": PerplexityTask}
-
-
-class TaskEntry(Strict):
-    """One task: a mapping with exactly one task name, e.g. ``{perplexity: {seq_len: 512}}``."""
-
-    perplexity: PerplexityTask | None = None
-
+class _TaskEntryBase(Strict):
     @model_validator(mode="after")
     def _exactly_one(self):
         chosen = [k for k in TASK_TYPES if getattr(self, k) is not None]
@@ -96,11 +71,26 @@ class TaskEntry(Strict):
         return getattr(self, self.kind)
 
 
+# One task: a mapping with exactly one task name, e.g. ``{perplexity: {seq_len: 512}}``; one optional field per
+# registered task (kveval/tasks/), so that unknown keys inside a task are reported with their full path.
+TaskEntry = create_model(
+    "TaskEntry", __base__=_TaskEntryBase, **{name: (cls | None, None) for name, cls in TASK_TYPES.items()}
+)
+
+
 class Threshold(Strict):
     """Pass/fail rule per policy: ΔPPL % at most ``delta_ppl_pct`` and, when set, mean KLD at most ``kld``."""
 
     delta_ppl_pct: float = Field(1.0, ge=0)
     kld: float | None = Field(None, ge=0)
+
+
+class MemoryConfig(Strict):
+    """The memory bill written beside each policy: at ``context`` tokens (default: the longest task window),
+    and the largest batch that fits a GPU of ``gpu_memory`` (e.g. ``80GiB``) next to the weights."""
+
+    context: int | None = Field(None, gt=0)
+    gpu_memory: str = "80GiB"
 
 
 class KVConfig(Strict):
@@ -125,6 +115,7 @@ class ExperimentConfig(Strict):
     kv: KVConfig
     tasks: list[TaskEntry] = Field(min_length=1)
     threshold: Threshold = Threshold()
+    memory: MemoryConfig = MemoryConfig()
     output: str | None = None
     seed: int = 0
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,11 +106,29 @@ def run_experiment(
     metrics: dict = {"run": cfg.name, "model": cfg.model.name, "baseline": {}, "policies": {n: {} for n in policies}}
     for entry in cfg.tasks:
         merge(metrics, runners[entry.kind].run(ctx, entry.params))
+    merge(metrics, memory_fields(ctx))
     run.write_metrics(metrics)
     run.write_env(env, started=started, finished=now())
     console.print(summary_table(metrics, cfg))
     console.print(f"results: {run.path}/")
     return metrics
+
+
+def memory_fields(ctx: RunContext) -> dict:
+    """bytes_per_token, compression_vs_fp16, max_batch and bits_per_element per policy (FP16 storage of the
+    full-precision parts), at the configured context (default: the longest window of the run's tasks)."""
+    from kveval.memory import Arch
+    from kveval.memory_report import policy_memory_fields
+
+    arch = Arch.from_model(ctx.model)
+    lengths = [getattr(t.params, "seq_len", 0) for t in ctx.cfg.tasks]
+    context = ctx.cfg.memory.context or max(lengths + [1])
+    gpu = ctx.cfg.memory.gpu_memory
+    out = {"memory": {"arch": arch.to_dict(), "context": context, "gpu_memory": gpu}, "policies": {}}
+    out["baseline"] = policy_memory_fields(arch, "fp16", context, gpu)
+    for name, policy in ctx.policies.items():
+        out["policies"][name] = policy_memory_fields(arch, policy, context, gpu)
+    return out
 
 
 def _fmt(value, spec: str) -> str:

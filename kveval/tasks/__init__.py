@@ -1,9 +1,25 @@
-"""Evaluators, one per file, registered here by task name.
+"""Evaluators, one per file in this package, found by name.
 
-Each module exposes ``run(ctx, params) -> metrics`` and optionally ``check(ctx, params)``, which raises
-``KvevalError`` for bad input before the results folder is touched.
+A task module defines ``NAME`` (the key used in configs), ``Params`` (a closed pydantic model of its parameters,
+based on ``kveval.schema.Strict``), ``run(ctx, params) -> metrics`` and optionally ``check(ctx, params)``, which
+raises ``KvevalError`` for bad input before the results folder is touched. Adding a task is adding a file.
 """
 
-from kveval.tasks import perplexity
+from __future__ import annotations
 
-TASKS = {"perplexity": perplexity}
+import importlib
+import pkgutil
+
+
+def _discover() -> dict:
+    tasks = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(module, "NAME") and hasattr(module, "Params") and hasattr(module, "run"):
+            tasks[module.NAME] = module
+    return tasks
+
+
+TASKS = _discover()

@@ -11,22 +11,44 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import Field, model_validator
 
-from kveval.config import PerplexityTask
 from kveval.data import token_windows
 from kveval.errors import KvevalError
 from kveval.models import model_context_limit
 from kveval.patch import emulate
+from kveval.schema import Strict
 from kveval.stats import bin_sums, bootstrap_ratio_ci, compare_logits
 
 BASELINE = "baseline"
+NAME = "perplexity"
+
+
+class Params(Strict):
+    """Perplexity, KL divergence and top-1 agreement against the full-precision model."""
+
+    seq_len: int = Field(512, gt=1)
+    stride: int | None = Field(None, gt=0)
+    max_tokens: int | None = Field(4096, gt=0)
+    prefill_tokens: int = Field(0, ge=0)
+    position_bins: int = Field(8, gt=0)
+    bootstrap: int = Field(1000, ge=0)
+    diagnostics: bool = True
+
+    @model_validator(mode="after")
+    def _stride_fits(self):
+        if self.stride is not None and self.stride > self.seq_len:
+            raise ValueError(f"stride {self.stride} is larger than seq_len {self.seq_len}")
+        if self.prefill_tokens >= self.seq_len:
+            raise ValueError(f"prefill_tokens {self.prefill_tokens} must be smaller than seq_len {self.seq_len}")
+        return self
 
 
 def _record_key(window: int, policy: str) -> str:
     return f"perplexity/w{window}/{policy}"
 
 
-def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, params: PerplexityTask) -> dict:
+def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, params: Params) -> dict:
     rec = {
         "key": _record_key(window.index, policy),
         "task": "perplexity",
@@ -44,7 +66,7 @@ def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, 
     return rec
 
 
-def check(ctx, params: PerplexityTask) -> None:
+def check(ctx, params: Params) -> None:
     """Input errors: a window longer than the model's context, a corpus shorter than one window."""
     limit = model_context_limit(ctx.model)
     if params.seq_len > limit:
@@ -56,7 +78,7 @@ def check(ctx, params: PerplexityTask) -> None:
         raise KvevalError(f"the corpus has {tokens.numel()} tokens, fewer than one window of seq_len {params.seq_len}")
 
 
-def run(ctx, params: PerplexityTask) -> dict:
+def run(ctx, params: Params) -> dict:
     """Evaluate every (window, policy) not yet recorded, then aggregate all records into metrics."""
     tokens = ctx.tokens()
     windows = list(token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens))
@@ -122,7 +144,7 @@ def _layer_summary(records: list[dict]) -> list[dict]:
     return out
 
 
-def _summarise(records: list[dict], params: PerplexityTask, seed: int) -> dict:
+def _summarise(records: list[dict], params: Params, seed: int) -> dict:
     records = sorted(records, key=lambda r: r["window"])
     n = sum(r["n_tokens"] for r in records)
     nll = sum(r["nll_sum"] for r in records)
@@ -158,7 +180,7 @@ def _summarise(records: list[dict], params: PerplexityTask, seed: int) -> dict:
     return out
 
 
-def aggregate(records: list[dict], policies: list[str], params: PerplexityTask, *, seed: int, threshold) -> dict:
+def aggregate(records: list[dict], policies: list[str], params: Params, *, seed: int, threshold) -> dict:
     """metrics.json's perplexity fields from the records (pure: the same records give the same metrics)."""
     by_policy: dict[str, list[dict]] = {}
     for rec in records:
