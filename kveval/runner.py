@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,7 @@ def run_experiment(
     """Run every task of ``cfg`` and write the results folder; returns the aggregated metrics."""
     from kveval.models import load_model, model_info
 
-    console = Console(stderr=False, quiet=False)
+    console = Console(width=None if sys.stdout.isatty() else 140)
     runners = task_runners()
     for entry in cfg.tasks:
         if entry.kind not in runners:
@@ -142,17 +143,17 @@ def summary_table(metrics: dict, cfg: ExperimentConfig) -> Table:
         f", KLD <= {thr.kld}" if thr.kld is not None else ""
     )
     table = Table(title=title, title_justify="left")
-    for col in ("policy", "bits/elem", "PPL", "ΔPPL %", "KLD ± CI95", "top-1", "verdict"):
-        table.add_column(col, justify="left" if col in ("policy", "verdict") else "right")
+    for col in ("policy", "bits/elem", "PPL", "ΔPPL %", "KLD", "KLD CI95", "top-1", "verdict"):
+        table.add_column(col, justify="left" if col in ("policy", "verdict") else "right", no_wrap=True)
     base = metrics.get("baseline", {})
-    table.add_row("baseline", _fmt(base.get("bits_per_element"), ".2f"), _fmt(base.get("ppl"), ".4f"), "", "", "", "")
+    table.add_row("baseline", _fmt(base.get("bits_per_element"), ".2f"), _fmt(base.get("ppl"), ".4f"), "", "", "", "", "")
     for name, m in metrics.get("policies", {}).items():
         ci = m.get("kld_ci95")
-        kld = "-" if m.get("kld_mean") is None else f"{m['kld_mean']:.3g} [{ci[0]:.3g}, {ci[1]:.3g}]"
+        ci_text = "-" if not ci else f"[{ci[0]:.3g}, {ci[1]:.3g}]"
         verdict = m.get("verdict", "-")
         style = {"pass": "green", "fail": "red"}.get(verdict, "yellow")
         table.add_row(
             name, _fmt(m.get("bits_per_element"), ".2f"), _fmt(m.get("ppl"), ".4f"), _fmt(m.get("delta_ppl_pct"), "+.3f"),
-            kld, _fmt(m.get("top1_agree"), ".4f"), f"[{style}]{verdict}[/]",
+            _fmt(m.get("kld_mean"), ".3g"), ci_text, _fmt(m.get("top1_agree"), ".4f"), f"[{style}]{verdict}[/]",
         )
     return table

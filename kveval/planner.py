@@ -1,0 +1,372 @@
+"""Mixed precision under a memory budget: one spec per layer for K and one for V, minimising the scanned KLD.
+
+Inputs: a sensitivity scan (``results/<scan>/metrics.json``: per layer x {K, V} x spec, the mean KL divergence
+from the baseline when only that tensor is quantized) and a budget. Candidates: the scanned specs plus ``int8``
+(its KLD estimated from the finest scanned spec when it was not scanned: the KLD of a small perturbation is
+quadratic in it, so one bit more divides it by 4) and, only when asked (``allow_fp``), ``none`` at KLD 0. Full
+precision is left out by default: an engine that quantizes its cache rarely keeps single layers in FP16, and a
+plan that does spends the budget where a measurement says nothing (KLD 0 is exact, not scanned).
+
+Costs are exact integers: the bytes that ``kveval.memory.kv_bytes`` bills for that tensor of that layer at
+``context`` tokens (codes + scales + zero points). The sum over layers is the mixed policy's bill, so the budget is
+respected to the byte. The choice is a multiple-choice knapsack, solved exactly by dynamic programming over
+the budget in units of the gcd of all costs (``solve``), assuming that the KLDs of the cells add up.
+
+Budget syntax (``parse_budget``):
+
+    4.5  4.5bits  4.5b        average stored bits per K/V element, scales included
+    30000B/token  35KB/token  35KiB/token    bytes per token of one sequence (KB = 1000 B, KiB = 1024 B)
+    0.28x  28%                 fraction of the FP16 cache
+    int4_g64                   the memory of that uniform policy (any ``kveval ls`` policy preset)
+
+Pure: no transformers import.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import reduce
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from kveval.errors import KvevalError
+from kveval.memory import Arch, fp16_bytes, kv_bytes
+from kveval.policy import KVPolicy, policy_names
+from kveval.quant import preset
+
+TENSORS = ("key", "value")
+MAX_DP_CELLS = 200_000_000
+GENERATED_DIR = Path("configs") / "generated"
+
+
+# ------------------------------------------------------------------------------------------------- budget
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``kind``: "bits" (per element), "bytes_per_token", "fraction" (of FP16) or "policy" (a preset's memory)."""
+
+    kind: str
+    value: float | str
+    text: str
+
+    def bytes(self, arch: Arch, context: int) -> int:
+        """The largest allowed cache size in bytes for one sequence of ``context`` tokens (exact, floored)."""
+        elements = 2 * arch.layers * arch.kv_heads * context * arch.head_dim
+        if self.kind == "bits":
+            return math.floor(Fraction(str(self.value)) * elements / 8)
+        if self.kind == "bytes_per_token":
+            return math.floor(Fraction(str(self.value)) * context)
+        if self.kind == "fraction":
+            return math.floor(Fraction(str(self.value)) * fp16_bytes(arch, context))
+        return kv_bytes(arch, str(self.value), context).total
+
+    def describe(self, arch: Arch, context: int) -> str:
+        b = self.bytes(arch, context)
+        bits = 8 * b / (2 * arch.layers * arch.kv_heads * context * arch.head_dim)
+        return f"{self.text}: {b} B at {context} tokens ({bits:.4f} bits/element, {b / context:.1f} B/token)"
+
+
+_UNITS = {"b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2}
+
+
+def parse_budget(text: str | float) -> Budget:
+    """A budget from its text form (see the module docstring); KvevalError when it is not understood."""
+    raw = str(text).strip()
+    t = raw.lower().replace(" ", "")
+    num = r"(\d+(?:\.\d*)?|\.\d+)"
+    if m := re.fullmatch(num + r"(?:bits?|b)?(?:/el(?:em(?:ent)?)?)?", t):
+        value = float(m.group(1))
+        if not 0 < value <= 32:
+            raise KvevalError(f"budget '{raw}': {value} bits per element is out of range (0, 32]")
+        return Budget("bits", m.group(1), raw)
+    if m := re.fullmatch(num + r"(b|kb|kib|mb|mib)/(?:tok|token)", t):
+        value = Fraction(m.group(1)) * _UNITS[m.group(2)]
+        if value <= 0:
+            raise KvevalError(f"budget '{raw}' must be positive")
+        return Budget("bytes_per_token", str(value), raw)
+    if m := re.fullmatch(num + r"(x|%)", t):
+        value = Fraction(m.group(1)) / (100 if m.group(2) == "%" else 1)
+        if not 0 < value <= 1:
+            raise KvevalError(f"budget '{raw}': a fraction of FP16 must lie in (0, 1] (e.g. 0.28x or 28%)")
+        return Budget("fraction", str(value), raw)
+    if raw in policy_names():
+        return Budget("policy", raw, raw)
+    raise KvevalError(
+        f"budget '{raw}' is not understood; use bits per element (4.5 or 4.5bits), bytes per token "
+        "(35KB/token, 30000B/token), a fraction of FP16 (0.28x or 28%), or a policy preset (int4_g64)"
+    )
+
+
+# ------------------------------------------------------------------------------------------------- knapsack
+
+
+def solve(items: list[list[tuple[int, float]]], capacity: int) -> tuple[float, list[int]]:
+    """Exact multiple-choice knapsack: pick one (cost, value) per item, total cost <= capacity, minimal total value.
+
+    Costs are non-negative integers. Returns (minimal value, chosen index per item); among equal values the
+    cheaper plan wins. Dynamic programming over the capacity divided by the gcd of all costs:
+    O(items x choices x capacity / gcd). KvevalError when no choice fits (with the minimum needed).
+    """
+    if any(not choices for choices in items):
+        raise KvevalError("every item needs at least one choice")
+    least = sum(min(c for c, _ in choices) for choices in items)
+    if least > capacity:
+        raise KvevalError(f"no plan fits {capacity} B: the cheapest plan needs {least} B")
+    g = reduce(math.gcd, (c for choices in items for c, _ in choices), 0) or 1
+    cap = capacity // g
+    if (len(items) + 1) * (cap + 1) > MAX_DP_CELLS:
+        raise KvevalError(f"the knapsack is too large ({len(items)} items x {cap + 1} cost steps); lower the context")
+    dp = np.full(cap + 1, np.inf)
+    dp[0] = 0.0
+    picks = np.zeros((len(items), cap + 1), dtype=np.int16)
+    for n, choices in enumerate(items):
+        new = np.full(cap + 1, np.inf)
+        for j, (cost, value) in enumerate(choices):
+            c = cost // g
+            if c > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[c:] = dp[: cap + 1 - c] + value
+            better = cand < new
+            new[better] = cand[better]
+            picks[n][better] = j
+        dp = new
+    end = int(np.argmin(dp))  # the first minimum: the cheapest among the best
+    best = float(dp[end])
+    chosen = [0] * len(items)
+    for n in range(len(items) - 1, -1, -1):
+        j = int(picks[n][end])
+        chosen[n] = j
+        end -= items[n][j][0] // g
+    return best, chosen
+
+
+# ------------------------------------------------------------------------------------------------- planning
+
+
+@dataclass
+class Plan:
+    """The chosen spec per layer for K and V, with what the scan predicts and what the memory bill says."""
+
+    key: list[str]
+    value: list[str]
+    predicted_kld_sum: float
+    predicted_delta_ppl_pct: float
+    budget: Budget
+    budget_bytes: int
+    total_bytes: int
+    context: int
+    arch: Arch
+    estimated: list[str] = field(default_factory=list)
+
+    def policy(self, name: str = "planned") -> KVPolicy:
+        """The mixed policy: the most common K and V specs as defaults, the other layers as overrides."""
+        return KVPolicy.from_config(self.policy_config(), name=name)
+
+    def policy_config(self) -> dict:
+        k0 = max(set(self.key), key=lambda s: (self.key.count(s), s))
+        v0 = max(set(self.value), key=lambda s: (self.value.count(s), s))
+        groups: dict[tuple, list[int]] = {}
+        for i, (k, v) in enumerate(zip(self.key, self.value)):
+            body = tuple((t, s) for t, s, d in (("key", k, k0), ("value", v, v0)) if s != d)
+            if body:
+                groups.setdefault(body, []).append(i)
+        layers = {",".join(map(str, idx)): dict(body) for body, idx in sorted(groups.items(), key=lambda g: g[1])}
+        cfg = {"key": k0, "value": v0}
+        if layers:
+            cfg["layers"] = layers
+        return cfg
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8 * self.total_bytes / (2 * self.arch.layers * self.arch.kv_heads * self.context * self.arch.head_dim)
+
+
+def scan_table(metrics: dict) -> dict[tuple[int, str, str], dict]:
+    """(layer, tensor, spec) -> scan cell, from a scan run's metrics."""
+    cells = (metrics.get("sensitivity") or {}).get("cells")
+    if not cells:
+        raise KvevalError("these results hold no sensitivity scan (run kveval scan configs/layer_scan.yaml first)")
+    return {(c["layer"], c["tensor"], c["spec"]): c for c in cells}
+
+
+def _bits(spec: str) -> int:
+    s = preset(spec)
+    return 16 if s.is_none else (8 if s.format.startswith("fp8") else s.bits)
+
+
+def candidate_costs(arch: Arch, specs: list[str], context: int) -> dict[tuple[int, str, str], int]:
+    """(layer, tensor, spec) -> bytes billed for that tensor of that layer at ``context`` tokens (FP16 for none)."""
+    out = {}
+    for spec in specs:
+        bill = kv_bytes(arch, spec, context)
+        for i, (k, v) in enumerate(bill.per_layer):
+            out[(i, "key", spec)], out[(i, "value", spec)] = k.total, v.total
+    return out
+
+
+def plan(metrics: dict, budget: Budget | str, *, context: int | None = None, extra: tuple[str, ...] = ("int8",),
+         allow_fp: bool = False) -> Plan:
+    """The optimal plan under ``budget`` for a scan's metrics (``metrics.json`` of a sensitivity run)."""
+    budget = parse_budget(budget) if not isinstance(budget, Budget) else budget
+    table = scan_table(metrics)
+    arch = Arch(**{k: v for k, v in metrics["memory"]["arch"].items()})
+    context = context or metrics["sensitivity"].get("seq_len") or metrics["memory"]["context"]
+    scanned = list(metrics["sensitivity"]["specs"])
+    specs = scanned + [s for s in extra if s not in scanned] + (["none"] if allow_fp else [])
+    costs = candidate_costs(arch, specs, context)
+    estimated = [s for s in specs if s not in scanned and s != "none"]
+    items, names = [], []
+    for i in range(arch.layers):
+        for t in TENSORS:
+            choices = []
+            for s in specs:
+                kld, dnll = _cell_value(table, i, t, s, scanned)
+                choices.append((costs[(i, t, s)], kld, dnll))
+            items.append(choices)
+            names.append((i, t))
+    capacity = budget.bytes(arch, context)
+    try:
+        best, chosen = solve([[(c, v) for c, v, _ in ch] for ch in items], capacity)
+    except KvevalError:
+        least = sum(min(c for c, _, _ in ch) for ch in items)
+        bits = 8 * least / (2 * arch.layers * arch.kv_heads * context * arch.head_dim)
+        raise KvevalError(
+            f"budget {budget.describe(arch, context)} is below the smallest plan the candidates "
+            f"({', '.join(specs)}) allow: {least} B = {bits:.4f} bits/element ({least / context:.1f} B/token)"
+        ) from None
+    key, value = [""] * arch.layers, [""] * arch.layers
+    dnll_sum = 0.0
+    for (i, t), ch, j in zip(names, items, chosen):
+        (key if t == "key" else value)[i] = specs[j]
+        dnll_sum += ch[j][2]
+    total = sum(ch[j][0] for ch, j in zip(items, chosen))
+    return Plan(key, value, best, 100.0 * math.expm1(dnll_sum), budget, capacity, total, context, arch, estimated)
+
+
+def _cell_value(table, layer: int, tensor: str, spec: str, scanned: list[str]) -> tuple[float, float]:
+    """(KLD, ΔNLL) of a cell: scanned, 0 for none, else estimated from the finest scanned spec (4x per bit)."""
+    if spec == "none":
+        return 0.0, 0.0
+    if (layer, tensor, spec) in table:
+        c = table[(layer, tensor, spec)]
+        return c["kld"], c["nll_delta"]
+    if spec in scanned:
+        raise KvevalError(f"the scan has no cell for layer {layer} {tensor} {spec}")
+    ref = max(scanned, key=_bits)
+    c = table.get((layer, tensor, ref))
+    if c is None:
+        raise KvevalError(f"the scan has no cell for layer {layer} {tensor}; scan all layers and both tensors")
+    factor = 4.0 ** -(_bits(spec) - _bits(ref))
+    return c["kld"] * factor, c["nll_delta"] * factor
+
+
+def uniform_prediction(metrics: dict, spec: str) -> float:
+    """Summed scanned KLD of the uniform policy ``spec`` (the planner's prediction for it)."""
+    table = scan_table(metrics)
+    scanned = list(metrics["sensitivity"]["specs"])
+    layers = metrics["memory"]["arch"]["layers"]
+    return sum(_cell_value(table, i, t, spec, scanned)[0] for i in range(layers) for t in TENSORS)
+
+
+# ------------------------------------------------------------------------------------------------- output
+
+
+def nearest_uniform(metrics: dict, plan_: Plan, specs: list[str]) -> list[str]:
+    """Uniform candidates nearest in memory to the budget: the largest at or under it and the smallest above it."""
+    bills = {s: kv_bytes(plan_.arch, s, plan_.context).total for s in specs}
+    under = [s for s in specs if bills[s] <= plan_.budget_bytes]
+    over = [s for s in specs if bills[s] > plan_.budget_bytes]
+    out = []
+    if under:
+        out.append(max(under, key=lambda s: bills[s]))
+    if over:
+        out.append(min(over, key=lambda s: bills[s]))
+    if plan_.budget.kind == "policy" and str(plan_.budget.value) not in out:
+        out.insert(0, str(plan_.budget.value))
+    return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]+", "_", text).strip("_") or "plan"
+
+
+def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context: int | None = None,
+                 allow_fp: bool = False, eval_tokens: int = 4096) -> str:
+    """``kveval plan SCAN_DIR --budget B [--out PATH]``: write a ready-to-run config and ``<name>.plan.json``
+    beside it; print a summary; return the config's path."""
+    from kveval.results import CONFIG_FILE, atomic_write_json, atomic_write_text, read_metrics
+
+    scan_dir = Path(scan_dir)
+    metrics = read_metrics(scan_dir)
+    resolved = yaml.safe_load((scan_dir / CONFIG_FILE).read_text()) if (scan_dir / CONFIG_FILE).exists() else {}
+    p = plan(metrics, budget, context=context, allow_fp=allow_fp)
+    name = _slug(f"{metrics.get('run', 'scan')}_plan_{p.budget.text}")
+    path = Path(out) if out else GENERATED_DIR / f"{name}.yaml"
+    if path.suffix not in (".yaml", ".yml"):
+        path = path / f"{name}.yaml"
+    scanned = list(metrics["sensitivity"]["specs"])
+    uniform = nearest_uniform(metrics, p, list(dict.fromkeys(scanned + ["int8"])))
+    bills = {s: kv_bytes(p.arch, s, p.context) for s in uniform}
+    fp16 = fp16_bytes(p.arch, p.context)
+    policies = {"planned": p.policy_config(), **{s: s for s in uniform}}
+    config = {
+        "name": name,
+        "model": resolved.get("model", metrics.get("model")),
+        "data": resolved.get("data", "builtin"),
+        "kv": {"policies": policies},
+        "tasks": [{"perplexity": {"seq_len": metrics["sensitivity"].get("seq_len", 512), "max_tokens": eval_tokens}}],
+        "threshold": resolved.get("threshold", {"delta_ppl_pct": 1.0}),
+        "seed": resolved.get("seed", 0),
+    }
+    from kveval.config import validate  # lazy: it imports the task registry (and so transformers)
+
+    validate(config, str(path))  # the written config must load
+    cmd = f"kveval plan {scan_dir} --budget {p.budget.text}"
+    predictions = {s: uniform_prediction(metrics, s) for s in uniform}
+    header = [
+        f"# kveval run {path.as_posix()}",
+        f"# Generated by: {cmd}",
+        f"# Budget {p.budget.describe(p.arch, p.context)}",
+        f"# Planned: {p.total_bytes} B at {p.context} tokens = {p.bits_per_element:.4f} bits/element, "
+        f"{p.total_bytes / p.context:.1f} B/token, {p.total_bytes / fp16:.4f}x FP16 (scales included)",
+        f"# predicted_kld_sum: {p.predicted_kld_sum:.6g}  (sum of the scanned per-cell mean KLDs; cells assumed additive)",
+        f"# predicted_delta_ppl_pct: {p.predicted_delta_ppl_pct:.4g}",
+        *[f"# uniform {s}: {bills[s].bits_per_element:.4f} bits/element, predicted_kld_sum {predictions[s]:.6g}"
+          for s in uniform],
+        f"# Candidates: {', '.join(scanned + [s for s in ('int8',) if s not in scanned])}"
+        + (" + none" if allow_fp else "") + (f"; KLD of {', '.join(p.estimated)} estimated (not scanned)"
+                                              if p.estimated else ""),
+        "# Per layer (K / V): " + "; ".join(f"{i}: {k}/{v}" for i, (k, v) in enumerate(zip(p.key, p.value))),
+        f"# The perplexity windows start at the corpus start: the scan's calibration slice ({metrics['sensitivity'].get('tokens')} tokens) is part of them.",
+    ]
+    text = "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False, width=110)
+    atomic_write_text(path, text)
+    sidecar = {
+        "scan": str(scan_dir), "command": cmd, "config": path.as_posix(), "budget": p.budget.text,
+        "budget_bytes": p.budget_bytes, "context": p.context, "arch": p.arch.to_dict(),
+        "total_bytes": p.total_bytes, "bits_per_element": p.bits_per_element,
+        "bytes_per_token": p.total_bytes / p.context, "fraction_of_fp16": p.total_bytes / fp16,
+        "predicted_kld_sum": p.predicted_kld_sum, "predicted_delta_ppl_pct": p.predicted_delta_ppl_pct,
+        "estimated_specs": p.estimated, "allow_fp": allow_fp,
+        "layers": [{"layer": i, "key": k, "value": v} for i, (k, v) in enumerate(zip(p.key, p.value))],
+        "policy": p.policy_config(),
+        "uniform": {s: {"bits_per_element": bills[s].bits_per_element, "total_bytes": bills[s].total,
+                        "predicted_kld_sum": predictions[s]} for s in uniform},
+    }
+    atomic_write_json(path.with_name(path.stem + ".plan.json"), sidecar)
+    counts = {s: (p.key.count(s), p.value.count(s)) for s in dict.fromkeys(p.key + p.value)}
+    print(f"plan under {p.budget.describe(p.arch, p.context)}")
+    print(f"  planned: {p.bits_per_element:.4f} bits/element, predicted summed KLD {p.predicted_kld_sum:.4g}, "
+          f"predicted ΔPPL {p.predicted_delta_ppl_pct:+.3f}%")
+    print("  layers per spec (K, V): " + ", ".join(f"{s} {k}/{v}" for s, (k, v) in counts.items()))
+    for s in uniform:
+        print(f"  uniform {s}: {bills[s].bits_per_element:.4f} bits/element, predicted summed KLD {predictions[s]:.4g}")
+    print(f"config: {path}   run it: kveval run {path}")
+    return str(path)

@@ -1,0 +1,336 @@
+"""Read a results folder (DESIGN.md section 4) into pandas: the API of the notebooks and of the report.
+
+    from kveval.report import load
+    res = load("results/int4_g64")
+    res.summary            # one row per policy, the baseline first
+    res.positions          # loss / KLD by token position bin, long format
+    res.layers             # per-layer K/V quantization error, one row per (policy, layer)
+    res.records            # records.jsonl as a DataFrame (one row per unit of work)
+
+Only the documented files are read (``metrics.json``, ``config.resolved.yaml``, ``env.json``,
+``records.jsonl``), so old runs and runs from other machines load alike; what a run did not measure is absent
+(an empty frame, or NaN in a column), never an error. The memory columns of runs that predate them are computed
+from the resolved config with :mod:`kveval.memory` (pure arithmetic) when the model's shape is known.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from kveval.errors import KvevalError
+
+CONFIG_FILE = "config.resolved.yaml"
+ENV_FILE = "env.json"
+RECORDS_FILE = "records.jsonl"
+METRICS_FILE = "metrics.json"
+BASELINE = "baseline"
+
+#: Columns of ``RunResults.summary`` (always present, NaN where the run did not measure them).
+SUMMARY_COLUMNS = [
+    "run", "policy", "spec", "ppl", "delta_ppl", "delta_ppl_pct", "kld_mean", "kld_ci95_lo", "kld_ci95_hi",
+    "top1_agree", "needle_accuracy", "needle_answer_logprob", "needle_token_acc", "bytes_per_token",
+    "compression_vs_fp16", "bits_per_element", "max_batch", "key_rel_mse_mean", "value_rel_mse_mean",
+    "noise_floor_ppl_pct", "noise_floor_kld", "tokens", "verdict",
+]
+POSITION_COLUMNS = ["run", "policy", "bin", "start", "end", "center", "loss", "delta_loss", "kld"]
+NEEDLE_COLUMNS = ["run", "policy", "context", "depth", "accuracy", "logprob", "token_acc"]
+SENSITIVITY_COLUMNS = ["run", "layer", "tensor", "spec", "kld", "delta_ppl_pct"]
+MEMORY_COLUMNS = ["run", "policy", "context", "codes", "scales", "residual", "total", "bytes_per_token"]
+
+
+@dataclass
+class RunResults:
+    """One results folder, loaded.
+
+    Attributes (every DataFrame has a ``run`` column, the run's name, so that frames of several runs concatenate):
+
+    * ``path``: the folder; ``name``: the run's name (``metrics["run"]``, else the folder name).
+    * ``summary``: one row per policy, ``baseline`` first; columns ``SUMMARY_COLUMNS``: ``spec`` (the policy in
+      words), ``ppl``, ``delta_ppl``, ``delta_ppl_pct`` (100 * (PPL / PPL_fp - 1)), ``kld_mean`` and its 95%
+      bootstrap CI ``kld_ci95_lo/hi`` (nats per token), ``top1_agree`` (fraction of tokens whose argmax matches the
+      baseline), ``needle_*``, ``bytes_per_token`` (KV bytes per token of one sequence, all layers, K and V,
+      scales included), ``compression_vs_fp16``, ``bits_per_element``, ``max_batch``, ``key/value_rel_mse_mean``,
+      ``noise_floor_*``, ``tokens`` (tokens evaluated) and ``verdict`` ("pass" | "fail" | "within_noise"; empty
+      for the baseline).
+    * ``positions``: long format, one row per (policy, position bin): ``bin``, ``start``/``end`` (token positions,
+      end exclusive), ``center``, ``loss`` (mean NLL, nats/token), ``delta_loss`` (minus the baseline's), ``kld``.
+    * ``layers``: one row per (policy, layer): ``layer`` and the ``key_*`` / ``value_*`` error columns of
+      ``layer_errors`` (``*_rel_mse``, ``*_sqnr_db``, ``*_max_abs_err``, ``*_outlier_channels``, ``*_outlier_ratio``).
+    * ``needle``: one row per (policy, context, depth) when the needle task ran (``NEEDLE_COLUMNS``), else empty.
+    * ``sensitivity``: the scan cells (``layer``, ``tensor`` "key"|"value", ``spec``, ``kld``, ``delta_ppl_pct``)
+      when a sensitivity scan ran, else empty.
+    * ``memory``: the memory bill per policy at ``context`` tokens, bytes of ``codes``, ``scales`` (zero points
+      included) and ``residual`` (full precision), when the model's shape is known, else empty.
+    * ``records``: ``records.jsonl`` as a DataFrame; ``config``, ``env``, ``metrics``: the raw documents.
+    """
+
+    path: Path
+    name: str
+    metrics: dict
+    config: dict
+    env: dict
+    summary: pd.DataFrame
+    positions: pd.DataFrame
+    layers: pd.DataFrame
+    needle: pd.DataFrame
+    sensitivity: pd.DataFrame
+    memory: pd.DataFrame
+    records: pd.DataFrame = field(repr=False)
+
+    @property
+    def policies(self) -> list[str]:
+        """Policy names in the order of ``metrics.json`` (the baseline excluded)."""
+        return list(self.metrics.get("policies", {}))
+
+    @property
+    def threshold(self) -> dict:
+        """``{"delta_ppl_pct": float | None, "kld": float | None}`` from the resolved config."""
+        thr = self.config.get("threshold") or {}
+        return {"delta_ppl_pct": thr.get("delta_ppl_pct"), "kld": thr.get("kld")}
+
+    def policy_config(self, name: str) -> Any:
+        """The policy's config form (``kv.policies.NAME``), or None."""
+        return ((self.config.get("kv") or {}).get("policies") or {}).get(name)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise KvevalError(f"{path} is not valid JSON (line {exc.lineno}); rerun the config to rebuild it") from None
+
+
+def read_metrics(run_dir: Path) -> dict:
+    """``metrics.json`` of a run; a missing or corrupt file raises KvevalError with a one-line message."""
+    run_dir = Path(run_dir)
+    path = run_dir / METRICS_FILE
+    if not run_dir.is_dir():
+        raise KvevalError(f"{run_dir} is not a folder; give a kveval results folder (results/<run>)")
+    if not path.exists():
+        raise KvevalError(f"{path} does not exist; is {run_dir} a kveval results folder?")
+    metrics = _read_json(path, "metrics")
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("policies", {}), dict):
+        raise KvevalError(f"{path} is not a kveval metrics document (no 'policies' mapping); rerun the config")
+    return metrics
+
+
+def _read_records(path: Path) -> list[dict]:
+    out = []
+    if not path.exists():
+        return out
+    with open(path) as fh:
+        for line in fh:
+            if not line.endswith("\n"):
+                break  # a torn last line (killed process)
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out
+
+
+def _num(value: Any) -> float:
+    if value is None or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def describe_policy(cfg: Any, name: str) -> str:
+    """The policy in words (``KVPolicy.describe``), or ``""`` when its config cannot be read by this version."""
+    if name == BASELINE:
+        return "full precision (no KV quantization)"
+    if cfg is None:
+        return ""
+    try:
+        from kveval.policy import KVPolicy
+
+        return KVPolicy.from_config(cfg, name=name).describe()
+    except Exception:  # an old or foreign config: the report still shows the numbers
+        return ""
+
+
+def _arch(metrics: dict, config: dict):
+    """The model's KV shape: ``metrics["memory"]["arch"]``, else the named shape of the model, else None."""
+    from kveval.memory import NAMED_SHAPES, Arch
+
+    arch = (metrics.get("memory") or {}).get("arch")
+    if isinstance(arch, dict):
+        try:
+            return Arch(**{k: arch[k] for k in ("layers", "kv_heads", "head_dim") if k in arch},
+                        **{k: arch[k] for k in ("name", "params", "weight_bytes_per_param") if arch.get(k) is not None})
+        except Exception:
+            pass
+    model = str(metrics.get("model") or (config.get("model") or {}).get("name") or "").removeprefix("builtin:")
+    if model in NAMED_SHAPES:
+        return Arch.named(model)
+    return None
+
+
+def _context(metrics: dict, config: dict) -> int:
+    ctx = (metrics.get("memory") or {}).get("context")
+    if isinstance(ctx, int) and ctx > 0:
+        return ctx
+    lengths = []
+    for entry in config.get("tasks") or []:
+        if isinstance(entry, dict):
+            for params in entry.values():
+                if isinstance(params, dict) and isinstance(params.get("seq_len"), int):
+                    lengths.append(params["seq_len"])
+    return max(lengths) if lengths else 2048
+
+
+def _memory(name: str, metrics: dict, config: dict) -> pd.DataFrame:
+    """The bill per policy (codes / scales / residual bytes at the run's context); empty if the shape is unknown."""
+    arch = _arch(metrics, config)
+    if arch is None:
+        return pd.DataFrame(columns=MEMORY_COLUMNS)
+    from kveval.memory import kv_bytes
+    from kveval.policy import KVPolicy
+
+    context = _context(metrics, config)
+    rows = []
+    pols = ((config.get("kv") or {}).get("policies") or {})
+    for pname in [BASELINE, *metrics.get("policies", {})]:
+        try:
+            pol = KVPolicy.preset("fp16") if pname == BASELINE else KVPolicy.from_config(pols[pname], name=pname)
+            bill = kv_bytes(arch, pol, context)
+        except Exception:
+            continue
+        rows.append({"run": name, "policy": pname, "context": context, "codes": bill.codes, "scales": bill.scales,
+                     "residual": bill.residual, "total": bill.total, "bytes_per_token": bill.bytes_per_token})
+    return pd.DataFrame(rows, columns=MEMORY_COLUMNS)
+
+
+def _summary(name: str, metrics: dict, config: dict, memory: pd.DataFrame) -> pd.DataFrame:
+    pols = ((config.get("kv") or {}).get("policies") or {})
+    base = metrics.get("baseline") or {}
+    entries = [(BASELINE, base)] + list((metrics.get("policies") or {}).items())
+    fp16_bpt = None
+    if not memory.empty and (memory["policy"] == BASELINE).any():
+        fp16_bpt = float(memory.loc[memory["policy"] == BASELINE, "bytes_per_token"].iloc[0])
+    rows = []
+    for pname, m in entries:
+        m = m or {}
+        ci = m.get("kld_ci95") or [None, None]
+        row: dict[str, Any] = {"run": name, "policy": pname, "spec": describe_policy(pols.get(pname), pname)}
+        for col in SUMMARY_COLUMNS:
+            if col in ("run", "policy", "spec", "kld_ci95_lo", "kld_ci95_hi", "verdict"):
+                continue
+            row[col] = _num(m.get(col))
+        row["kld_ci95_lo"], row["kld_ci95_hi"] = _num(ci[0]), _num(ci[1] if len(ci) > 1 else None)
+        if pname == BASELINE:
+            for col, v in (("delta_ppl", 0.0), ("delta_ppl_pct", 0.0), ("kld_mean", 0.0), ("top1_agree", 1.0)):
+                if math.isnan(row[col]) and not math.isnan(row["ppl"]):
+                    row[col] = v
+        # memory columns of runs that predate them: from the bill
+        hit = memory[memory["policy"] == pname] if not memory.empty else memory
+        if len(hit) and math.isnan(row["bytes_per_token"]):
+            bpt = float(hit["bytes_per_token"].iloc[0])
+            row["bytes_per_token"] = bpt
+            if fp16_bpt:
+                row["compression_vs_fp16"] = fp16_bpt / bpt
+        row["verdict"] = "" if pname == BASELINE else str(m.get("verdict") or "")
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    # bits per element from the bill: 8 * total / elements; elements = 2 * layers * kv_heads * context * head_dim
+    arch = _arch(metrics, config)
+    if arch is not None and not memory.empty:
+        per_token_elems = 2 * arch.layers * arch.kv_heads * arch.head_dim
+        missing = df["bits_per_element"].isna() & df["bytes_per_token"].notna()
+        df.loc[missing, "bits_per_element"] = 8 * df.loc[missing, "bytes_per_token"] / per_token_elems
+    return df
+
+
+def _positions(name: str, metrics: dict) -> pd.DataFrame:
+    rows = []
+    base = metrics.get("baseline") or {}
+    base_loss = base.get("loss_by_position") or []
+    for pname, m in [(BASELINE, base), *(metrics.get("policies") or {}).items()]:
+        m = m or {}
+        loss = m.get("loss_by_position") or []
+        kld = m.get("kld_by_position") or []
+        edges = m.get("position_bin_edges") or base.get("position_bin_edges") or []
+        n = max(len(loss), len(kld))
+        for i in range(n):
+            start = edges[i] if i + 1 < len(edges) else math.nan
+            end = edges[i + 1] if i + 1 < len(edges) else math.nan
+            lo = _num(loss[i]) if i < len(loss) else math.nan
+            bl = _num(base_loss[i]) if i < len(base_loss) else math.nan
+            k = _num(kld[i]) if i < len(kld) else (0.0 if pname == BASELINE else math.nan)
+            rows.append({"run": name, "policy": pname, "bin": i, "start": start, "end": end,
+                         "center": (start + end) / 2, "loss": lo, "delta_loss": lo - bl, "kld": k})
+    return pd.DataFrame(rows, columns=POSITION_COLUMNS)
+
+
+def _scalarise(value: Any) -> Any:
+    if isinstance(value, list):
+        nums = [_num(v) for v in value]
+        return float(sum(nums) / len(nums)) if nums and not any(math.isnan(x) for x in nums) else math.nan
+    return value
+
+
+def _layers(name: str, metrics: dict) -> pd.DataFrame:
+    rows = []
+    for pname, m in (metrics.get("policies") or {}).items():
+        for err in (m or {}).get("layer_errors") or []:
+            if isinstance(err, dict) and "layer" in err:
+                rows.append({"run": name, "policy": pname, **{k: _scalarise(v) for k, v in err.items()}})
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return pd.DataFrame(columns=["run", "policy", "layer", "key_rel_mse", "value_rel_mse"])
+    return df
+
+
+def _needle(name: str, metrics: dict) -> pd.DataFrame:
+    rows = []
+    for pname, m in [(BASELINE, metrics.get("baseline") or {}), *(metrics.get("policies") or {}).items()]:
+        for cell in (m or {}).get("needle_cells") or []:
+            if isinstance(cell, dict):
+                rows.append({"run": name, "policy": pname, **{c: cell.get(c) for c in NEEDLE_COLUMNS[2:]}})
+    return pd.DataFrame(rows, columns=NEEDLE_COLUMNS)
+
+
+def _sensitivity(name: str, metrics: dict) -> pd.DataFrame:
+    cells = (metrics.get("sensitivity") or {}).get("cells") or []
+    rows = [{"run": name, **{c: cell.get(c) for c in SENSITIVITY_COLUMNS[1:]}} for cell in cells
+            if isinstance(cell, dict)]
+    return pd.DataFrame(rows, columns=SENSITIVITY_COLUMNS)
+
+
+def load(run_dir: str | Path) -> RunResults:
+    """Load ``results/<run>/`` into a :class:`RunResults` (see its docstring for every frame and column).
+
+    Raises :class:`kveval.errors.KvevalError` (one line) when the folder or its ``metrics.json`` is missing or
+    corrupt; the other files are optional.
+    """
+    path = Path(run_dir)
+    metrics = read_metrics(path)
+    config: dict = {}
+    if (path / CONFIG_FILE).exists():
+        try:
+            config = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
+        except yaml.YAMLError:
+            raise KvevalError(f"{path / CONFIG_FILE} is not valid YAML; rerun the config to rebuild it") from None
+    env: dict = _read_json(path / ENV_FILE, "env") if (path / ENV_FILE).exists() else {}
+    name = str(metrics.get("run") or config.get("name") or path.name)
+    memory = _memory(name, metrics, config)
+    return RunResults(
+        path=path, name=name, metrics=metrics, config=config if isinstance(config, dict) else {},
+        env=env if isinstance(env, dict) else {},
+        summary=_summary(name, metrics, config, memory), positions=_positions(name, metrics),
+        layers=_layers(name, metrics), needle=_needle(name, metrics), sensitivity=_sensitivity(name, metrics),
+        memory=memory, records=pd.DataFrame(_read_records(path / RECORDS_FILE)),
+    )
+
+
+__all__ = ["RunResults", "load", "read_metrics", "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS"]

@@ -1,0 +1,528 @@
+"""The report's figures, from loaded results (:func:`kveval.report.load`); matplotlib, no pyplot state.
+
+Every function takes one :class:`RunResults` (or a list, for the cross-run plot) and returns a
+``matplotlib.figure.Figure``, or ``None`` when the run holds nothing to draw (a task that did not run). In a
+notebook the figure displays itself; :func:`save` writes it as a PNG. Colours are the Okabe-Ito palette (safe for
+the common colour-vision deficiencies) and every series also has its own marker or line style, so the figures
+read in greyscale print too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.colors import LogNorm, TwoSlopeNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+from kveval.report.load import BASELINE, RunResults
+
+# Okabe & Ito (2008), "Color Universal Design": black first for the baseline
+OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#000000"]
+BASELINE_COLOR = "#555555"
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
+DPI = 100
+
+
+def color(i: int) -> str:
+    return OKABE_ITO[i % len(OKABE_ITO)]
+
+
+def marker(i: int) -> str:
+    return MARKERS[i % len(MARKERS)]
+
+
+def _style(policies: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """A fixed (colour, marker) per policy name, in the run's order; the baseline is grey circles."""
+    out, i = {}, 0
+    for p in policies:
+        if p == BASELINE:
+            out[p] = (BASELINE_COLOR, "o")
+        elif p not in out:
+            out[p] = (color(i), marker(i))
+            i += 1
+    return out
+
+
+def save(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
+    """Write ``fig`` as a PNG (no software metadata, so that reruns give identical files)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, format="png", metadata={"Software": None})
+    return path
+
+
+def _bytes_fmt(x: float, _pos=None) -> str:
+    if x >= 2**20:
+        return f"{x / 2**20:.1f} MiB"
+    if x >= 2**10:
+        return f"{x / 2**10:.1f} KiB"
+    return f"{x:.0f} B"
+
+
+KIB = 1024.0
+
+
+def pareto_front(x: Sequence[float], y: Sequence[float]) -> list[int]:
+    """Indices of the points not dominated by another (smaller or equal x and y, one strictly), by rising x."""
+    pts = sorted((float(a), float(b), i) for i, (a, b) in enumerate(zip(x, y)) if np.isfinite(a) and np.isfinite(b))
+    front, best = [], math.inf
+    for _a, b, i in pts:
+        if b < best:
+            front.append(i)
+            best = b
+    return front
+
+
+def _use_symlog(values: Sequence[float], scale: float) -> bool:
+    """Symmetric log when the largest |value| exceeds 10x the threshold: small damage stays readable."""
+    vals = [abs(v) for v in values if np.isfinite(v)]
+    return bool(vals) and max(vals) > 10 * max(scale, 1e-12)
+
+
+def _annotate(ax, points: list[tuple[float, float, str, str]], multi: bool) -> None:
+    """Name each point; points at the same spot share one label, labels of points stacked at the same x
+    alternate right and left so that they do not overprint."""
+    merged: dict[tuple[float, float], list[tuple[str, str]]] = {}
+    for x, y, pol, run in points:
+        merged.setdefault((round(float(x), 6), round(float(y), 9)), []).append((pol, run))
+    xs = [x for x, _ in merged]
+    span = (max(xs) - min(xs)) or 1.0
+    groups: dict[int, list] = {}
+    for (x, y), names in merged.items():
+        groups.setdefault(int(round(x / (0.04 * span))), []).append((x, y, names))
+    for group in groups.values():
+        for j, (x, y, names) in enumerate(sorted(group, key=lambda t: t[1])):
+            if multi:
+                pols = list(dict.fromkeys(p for p, _ in names))
+                text = "; ".join(f"{p} ({', '.join(r for q, r in names if q == p)})" for p in pols)
+            else:
+                text = ", ".join(p for p, _ in names)
+            right = j % 2 == 0
+            ax.annotate(text, (x, y), xytext=(7 if right else -7, 4), textcoords="offset points", fontsize=8,
+                        ha="left" if right else "right")
+
+
+def _log_ok(values: Sequence[float]) -> bool:
+    vals = [v for v in values if np.isfinite(v)]
+    return bool(vals) and min(vals) > 0 and max(vals) / min(vals) > 20
+
+
+# ------------------------------------------------------------------------------------------- quality vs memory
+
+
+def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
+    """ΔPPL % and KLD against KV bytes per token, one point per policy (the FP16 baseline at ΔPPL 0), the Pareto
+    front (cheapest policy for each level of damage) as a dashed step line, the configured threshold as a red
+    line and, when measured, the noise floor as a grey band. Several runs: colour and marker per run, policy
+    names written beside the points."""
+    runs = [runs] if isinstance(runs, RunResults) else list(runs)
+    frames = [r.summary for r in runs if not r.summary.empty]
+    if not frames:
+        return None
+    df = pd.concat(frames, ignore_index=True)
+    df = df[df["bytes_per_token"].notna() & df["delta_ppl_pct"].notna()]
+    if not (df["policy"] != BASELINE).any():
+        return None
+    multi = len(runs) > 1
+    fig = Figure(figsize=(11, 4.6), layout="constrained")
+    ax_p, ax_k = fig.subplots(1, 2)
+    style = _style(list(df["policy"]))
+    run_names = list(dict.fromkeys(df["run"]))
+    for ax, col, label in ((ax_p, "delta_ppl_pct", "ΔPPL vs FP16 baseline (%)"),
+                           (ax_k, "kld_mean", "KL divergence from baseline (nats/token)")):
+        sub = df if col == "delta_ppl_pct" else df[(df["policy"] != BASELINE) & df[col].notna()]
+        if sub.empty:
+            ax.set_visible(False)
+            continue
+        labels = []
+        for _, row in sub.iterrows():
+            if multi:
+                k = run_names.index(row["run"])
+                c, m = (BASELINE_COLOR, marker(k)) if row["policy"] == BASELINE else (color(k), marker(k))
+            else:
+                c, m = style[row["policy"]]
+            yerr = None
+            if col == "kld_mean" and np.isfinite(row["kld_ci95_lo"]) and np.isfinite(row["kld_ci95_hi"]):
+                yerr = [[max(row[col] - row["kld_ci95_lo"], 0)], [max(row["kld_ci95_hi"] - row[col], 0)]]
+            ax.errorbar(row["bytes_per_token"] / KIB, row[col], yerr=yerr, fmt=m, color=c, ms=8, mec="black",
+                        mew=0.6, capsize=3, zorder=3)
+            labels.append((row["bytes_per_token"] / KIB, row[col], row["policy"], row["run"]))
+        _annotate(ax, labels, multi)
+        front = pareto_front(list(sub["bytes_per_token"]), list(sub[col]))
+        if len(front) > 1:
+            fx = [sub["bytes_per_token"].iloc[i] / KIB for i in front]
+            fy = [sub[col].iloc[i] for i in front]
+            ax.step(fx, fy, where="post", ls="--", color="#444444", lw=1, zorder=2, label="Pareto front")
+        thr_key = "delta_ppl_pct" if col == "delta_ppl_pct" else "kld"
+        thrs = {r.threshold.get(thr_key) for r in runs if r.threshold.get(thr_key) is not None}
+        for t in sorted(thrs):
+            ax.axhline(t, color="#D55E00", lw=1.2, ls="-", zorder=1,
+                       label=f"threshold {t:g}{'%' if col == 'delta_ppl_pct' else ''}")
+        noise_col = "noise_floor_ppl_pct" if col == "delta_ppl_pct" else "noise_floor_kld"
+        noise = df[noise_col].dropna()
+        if len(noise):
+            hi = float(noise.max())
+            lo = -hi if col == "delta_ppl_pct" else 0
+            ax.axhspan(lo, hi, color="#999999", alpha=0.25, lw=0, zorder=0, label=f"noise floor (±{hi:.3g})")
+        vals = list(sub[col])
+        if col == "kld_mean":
+            if _log_ok(vals):
+                ax.set_yscale("log")
+        elif _use_symlog(vals, max(thrs) if thrs else 1.0):
+            ax.set_yscale("symlog", linthresh=max(thrs) if thrs else 1.0)
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax.set_xlabel("KV cache per token (KiB; all layers, K+V, scales included)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.margins(x=0.15, y=0.12)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper right")
+    if multi:  # one legend entry per run
+        from matplotlib.lines import Line2D
+
+        handles = [Line2D([], [], ls="", marker=marker(k), color=color(k), mec="black", label=n)
+                   for k, n in enumerate(run_names)]
+        fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), fontsize=8,
+                   title="run")
+    title = runs[0].name if not multi else ", ".join(run_names)
+    fig.suptitle(f"Quality vs memory: {title} (lower left is better)")
+    return fig
+
+
+# ------------------------------------------------------------------------------------------- per-policy bars
+
+
+def policy_bars(res: RunResults) -> Figure | None:
+    """ΔPPL % and mean KLD per policy, KLD with its 95% bootstrap CI, the threshold as a line, bars coloured by
+    verdict (hatched when failing)."""
+    df = res.summary[(res.summary["policy"] != BASELINE) & res.summary["delta_ppl_pct"].notna()]
+    if df.empty:
+        return None
+    fig = Figure(figsize=(max(6.5, 1.2 * len(df) + 3.5), 4.2), layout="constrained")
+    ax_p, ax_k = fig.subplots(1, 2)
+    x = np.arange(len(df))
+    names = list(df["policy"])
+    vcol = {"pass": "#009E73", "fail": "#D55E00", "within_noise": "#56B4E9"}
+    colors = [vcol.get(v, "#999999") for v in df["verdict"]]
+    hatches = ["//" if v == "fail" else "" for v in df["verdict"]]
+    bars = ax_p.bar(x, df["delta_ppl_pct"], color=colors, edgecolor="black", lw=0.6)
+    for b, h in zip(bars, hatches):
+        b.set_hatch(h)
+    thr = res.threshold.get("delta_ppl_pct")
+    if thr is not None:
+        ax_p.axhline(thr, color="black", ls="--", lw=1, label=f"threshold {thr:g}%")
+    noise = df["noise_floor_ppl_pct"].dropna()
+    if len(noise):
+        ax_p.axhspan(-float(noise.max()), float(noise.max()), color="#999999", alpha=0.25, lw=0,
+                     label="noise floor")
+    for xi, v in zip(x, df["delta_ppl_pct"]):
+        ax_p.annotate(f"{v:+.2f}%", (xi, v), xytext=(0, 3 if v >= 0 else -11), textcoords="offset points",
+                      ha="center", fontsize=8)
+    if _use_symlog(list(df["delta_ppl_pct"]), thr or 1.0):
+        ax_p.set_yscale("symlog", linthresh=thr or 1.0)
+        ax_p.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax_p.set_ylabel("ΔPPL vs FP16 baseline (%)")
+    ax_p.set_title("Perplexity increase")
+    ax_k.set_title("KL divergence, 95% CI")
+    kd = df[df["kld_mean"].notna()]
+    if not kd.empty:
+        xk = np.array([names.index(p) for p in kd["policy"]])
+        lo = (kd["kld_mean"] - kd["kld_ci95_lo"]).clip(lower=0).fillna(0)
+        hi = (kd["kld_ci95_hi"] - kd["kld_mean"]).clip(lower=0).fillna(0)
+        bars = ax_k.bar(xk, kd["kld_mean"], color=[colors[i] for i in xk], edgecolor="black", lw=0.6,
+                        yerr=[lo, hi], capsize=4)
+        for b, i in zip(bars, xk):
+            b.set_hatch(hatches[i])
+        kthr = res.threshold.get("kld")
+        if kthr is not None:
+            ax_k.axhline(kthr, color="black", ls="--", lw=1, label=f"threshold {kthr:g}")
+        if _log_ok(list(kd["kld_mean"])):
+            ax_k.set_yscale("log")
+    ax_k.set_ylabel("mean KLD (nats/token)")
+    from matplotlib.patches import Patch
+
+    legend = [Patch(facecolor=c, edgecolor="black", hatch="//" if v == "fail" else "", label=v)
+              for v, c in vcol.items() if v in set(df["verdict"])]
+    for ax in (ax_p, ax_k):
+        ax.set_xticks(x, names, rotation=30 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_xlabel("policy")
+    ax_p.legend(handles=legend + ax_p.get_legend_handles_labels()[0], fontsize=8)
+    fig.suptitle(f"{res.name}: quality per policy (bars: verdict against the threshold)")
+    return fig
+
+
+# ------------------------------------------------------------------------------------------- by position
+
+
+def by_position(res: RunResults) -> Figure | None:
+    """Loss increase over the baseline and KLD per token-position bin, one line per policy: does the damage
+    grow with context?"""
+    pos = res.positions[(res.positions["policy"] != BASELINE)]
+    if pos.empty:
+        return None
+    style = _style([BASELINE, *res.policies])
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    ax_l, ax_k = fig.subplots(1, 2)
+    for i, (pname, g) in enumerate(pos.groupby("policy", sort=False)):
+        c, m = style.get(pname, (color(i), marker(i)))
+        ls = ["-", "--", "-.", ":"][i % 4]
+        ax_l.plot(g["center"], g["delta_loss"], marker=m, color=c, ls=ls, label=pname, mec="black", mew=0.5)
+        if g["kld"].notna().any():
+            ax_k.plot(g["center"], g["kld"], marker=m, color=c, ls=ls, label=pname, mec="black", mew=0.5)
+    ax_l.axhline(0, color=BASELINE_COLOR, lw=1)
+    ax_l.set_ylabel("Δ loss vs baseline (nats/token)")
+    ax_l.set_title("Loss increase by position")
+    ax_k.set_ylabel("mean KLD (nats/token)")
+    ax_k.set_title("KL divergence by position")
+    if _log_ok(list(pos["kld"])):
+        ax_k.set_yscale("log")
+    for ax in (ax_l, ax_k):
+        ax.set_xlabel("token position in the window (bin centre)")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{res.name}: error by token position")
+    return fig
+
+
+# ------------------------------------------------------------------------------------------- memory
+
+
+def memory_bars(res: RunResults) -> Figure | None:
+    """KV bytes per token of each policy (FP16 baseline first), stacked: codes, scales (+ zero points),
+    full-precision residual (windows, sinks, unquantized tensors); compression vs FP16 written on top."""
+    mem = res.memory
+    if mem.empty:
+        return None
+    fig = Figure(figsize=(max(6, 0.9 * len(mem) + 3), 4.2), layout="constrained")
+    ax = fig.subplots()
+    ctx = int(mem["context"].iloc[0])
+    x = np.arange(len(mem))
+    bottom = np.zeros(len(mem))
+    for part, c, h in (("codes", "#0072B2", ""), ("scales", "#E69F00", ".."), ("residual", "#999999", "//")):
+        vals = (mem[part] / ctx / KIB).to_numpy(dtype=float)
+        ax.bar(x, vals, bottom=bottom, color=c, hatch=h, edgecolor="black", lw=0.6,
+               label={"scales": "scales + zero points", "residual": "full precision"}.get(part, part))
+        bottom += vals
+    fp16 = mem.loc[mem["policy"] == BASELINE, "total"]
+    for xi, tot in zip(x, mem["total"]):
+        lab = _bytes_fmt(tot / ctx)
+        if len(fp16):
+            lab += f"\n{float(fp16.iloc[0]) / tot:.2f}×"
+        ax.annotate(lab, (xi, tot / ctx / KIB), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    names = ["FP16" if p == BASELINE else p for p in mem["policy"]]
+    ax.set_xticks(x, names, rotation=30 if len(names) > 5 else 0, ha="right" if len(names) > 5 else "center")
+    ax.set_ylabel("KV cache per token (KiB; all layers, K+V)")
+    ax.set_xlabel("policy")
+    ax.set_ylim(0, bottom.max() * 1.2)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title(f"{res.name}: KV memory per token at {ctx} tokens\n(labels: size, compression vs FP16)",
+                 fontsize=10)
+    return fig
+
+
+# ------------------------------------------------------------------------------------------- layers
+
+
+def layer_errors(res: RunResults) -> Figure | None:
+    """Relative MSE of the quantized keys and values per layer (log scale), one panel per tensor, one line per
+    policy: which layers break first."""
+    lay = res.layers
+    if lay.empty or "key_rel_mse" not in lay:
+        return None
+    style = _style([BASELINE, *res.policies])
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, tensor in zip(axes, ("key", "value")):
+        col = f"{tensor}_rel_mse"
+        if col not in lay:
+            continue
+        for i, (pname, g) in enumerate(lay.groupby("policy", sort=False)):
+            c, m = style.get(pname, (color(i), marker(i)))
+            g = g.sort_values("layer")
+            ax.plot(g["layer"], g[col], marker=m, ms=4, color=c, label=pname, mec="black", mew=0.4)
+        ax.set_title(f"{'Keys' if tensor == 'key' else 'Values'}")
+        ax.set_xlabel("layer")
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    vals = pd.concat([lay[c] for c in ("key_rel_mse", "value_rel_mse") if c in lay])
+    if (vals.dropna() > 0).all() and len(vals.dropna()):
+        axes[0].set_yscale("log")
+    axes[0].set_ylabel("relative MSE  ‖x̂ − x‖² / ‖x‖²")
+    fig.suptitle(f"{res.name}: quantization error per layer")
+    return fig
+
+
+# ------------------------------------------------------------------------------------------- needle
+
+
+def needle_heatmaps(res: RunResults, max_cols: int = 4) -> Figure | None:
+    """Needle retrieval accuracy by context length × needle depth, one heatmap per policy (the baseline first),
+    then each policy's difference from the baseline (orange: worse, purple: better); ``max_cols`` per row."""
+    nd = res.needle
+    if nd.empty:
+        return None
+    pols = list(dict.fromkeys(nd["policy"]))
+    if BASELINE in pols:
+        pols = [BASELINE] + [p for p in pols if p != BASELINE]
+    quant = [p for p in pols if p != BASELINE]
+    diffs = quant if BASELINE in pols else []
+    ncols = min(max_cols, max(len(pols), 1))
+    acc_rows = -(-len(pols) // ncols)
+    diff_rows = -(-len(diffs) // ncols) if diffs else 0
+    nrows = acc_rows + diff_rows
+    fig = Figure(figsize=(2.9 * ncols + 1.3, 2.6 * nrows + 0.7), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+
+    def grid(p: str) -> pd.DataFrame:
+        g = nd[nd["policy"] == p].pivot_table(index="depth", columns="context", values="accuracy", aggfunc="mean")
+        return g.sort_index(ascending=True)
+
+    base = grid(BASELINE) if diffs else None
+    im = dim = None
+    acc_axes, diff_axes = [], []
+    for j, p in enumerate(pols):
+        ax = axes[j // ncols, j % ncols]
+        ax.axis("on")
+        g = grid(p)
+        im = ax.imshow(g.to_numpy(dtype=float), vmin=0, vmax=1, cmap="cividis", aspect="auto")
+        _label_grid(ax, g, "{:.2f}")
+        ax.set_title(p, fontsize=9)
+        acc_axes.append(ax)
+    for j, p in enumerate(diffs):
+        ax = axes[acc_rows + j // ncols, j % ncols]
+        ax.axis("on")
+        d = grid(p).reindex_like(base) - base
+        dim = ax.imshow(d.to_numpy(dtype=float), cmap="PuOr", norm=TwoSlopeNorm(0, -1, 1), aspect="auto")
+        _label_grid(ax, d, "{:+.2f}")
+        ax.set_title(f"{p} − baseline", fontsize=9)
+        diff_axes.append(ax)
+    if im is not None:
+        fig.colorbar(im, ax=acc_axes, label="retrieval accuracy", shrink=0.8)
+    if dim is not None:
+        fig.colorbar(dim, ax=diff_axes, label="Δ accuracy vs baseline", shrink=0.8)
+    fig.suptitle(f"{res.name}: needle in a haystack (rows: needle depth, columns: context tokens)")
+    return fig
+
+
+def _label_grid(ax, g: pd.DataFrame, fmt: str) -> None:
+    ax.set_xticks(range(len(g.columns)), [str(int(c)) if float(c).is_integer() else str(c) for c in g.columns],
+                  fontsize=8)
+    ax.set_yticks(range(len(g.index)), [f"{float(d):.0%}" if float(d) <= 1 else str(d) for d in g.index],
+                  fontsize=8)
+    ax.set_xlabel("context (tokens)", fontsize=8)
+    ax.set_ylabel("needle depth", fontsize=8)
+    arr = g.to_numpy(dtype=float)
+    if arr.size <= 64:
+        for (i, j), v in np.ndenumerate(arr):
+            if np.isfinite(v):
+                text = fmt.format(v).replace("-0.00", "0.00").replace("+0.00", "0.00")
+                ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                        color="white" if (v < 0.5 and fmt == "{:.2f}") or v < -0.6 else "black")
+
+
+# ------------------------------------------------------------------------------------------- sensitivity
+
+
+def sensitivity_heatmap(res: RunResults) -> Figure | None:
+    """The scan: KLD when one layer's keys or values alone are quantized (rows: tensor × spec, columns: layer),
+    log colour scale; darker is more sensitive."""
+    sc = res.sensitivity
+    if sc.empty:
+        return None
+    sc = sc.assign(row=sc["tensor"].map({"key": "K", "value": "V"}).fillna(sc["tensor"].astype(str))
+                   + " " + sc["spec"].astype(str))
+    g = sc.pivot_table(index="row", columns="layer", values="kld", aggfunc="mean").sort_index()
+    arr = g.to_numpy(dtype=float)
+    finite = arr[np.isfinite(arr) & (arr > 0)]
+    norm = LogNorm(vmin=finite.min(), vmax=finite.max()) if finite.size and finite.max() > finite.min() else None
+    fig = Figure(figsize=(max(7, 0.3 * g.shape[1] + 3), 1.0 + 0.45 * g.shape[0] + 1.2), layout="constrained")
+    ax = fig.subplots()
+    im = ax.imshow(np.where(arr > 0, arr, np.nan), cmap="viridis_r", norm=norm, aspect="auto")
+    ax.set_yticks(range(g.shape[0]), list(g.index), fontsize=8)
+    step = max(1, g.shape[1] // 30)
+    ax.set_xticks(range(0, g.shape[1], step), [str(c) for c in list(g.columns)[::step]], fontsize=8)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("tensor and spec")
+    fig.colorbar(im, ax=ax, label="KLD from baseline (nats/token, log scale)")
+    ax.set_title(f"{res.name}: sensitivity (one layer's K or V quantized at a time)")
+    return fig
+
+
+def bits_per_layer(res: RunResults) -> Figure | None:
+    """Stored bits per element of K and V in each layer, for policies with per-layer overrides (mixed precision,
+    e.g. the planner's output); None when every policy is uniform."""
+    from kveval.policy import KVPolicy
+
+    n_layers = None
+    arch = (res.metrics.get("memory") or {}).get("arch") or {}
+    if isinstance(arch.get("layers"), int):
+        n_layers = arch["layers"]
+    elif not res.layers.empty:
+        n_layers = int(res.layers["layer"].max()) + 1
+    if not n_layers:
+        return None
+    mixed = {}
+    for p in res.policies:
+        cfg = res.policy_config(p)
+        try:
+            pol = KVPolicy.from_config(cfg, name=p)
+        except Exception:
+            continue
+        if pol.layers:
+            mixed[p] = pol
+    if not mixed:
+        return None
+    fig = Figure(figsize=(max(7, 0.25 * n_layers + 3), 1.5 + 1.6 * len(mixed)), layout="constrained")
+    axes = fig.subplots(len(mixed), 1, squeeze=False)[:, 0]
+    for ax, (p, pol) in zip(axes, mixed.items()):
+        kb, vb = [], []
+        for i in range(n_layers):
+            ks, vs = pol.specs_for_layer(i, n_layers)
+            kb.append(16 if ks.is_none else _spec_bits(ks))
+            vb.append(16 if vs.is_none else _spec_bits(vs))
+        x = np.arange(n_layers)
+        ax.bar(x - 0.2, kb, 0.4, color="#0072B2", label="keys")
+        ax.bar(x + 0.2, vb, 0.4, color="#E69F00", hatch="..", edgecolor="black", lw=0.3, label="values")
+        ax.set_ylabel("bits")
+        ax.set_title(p, fontsize=9)
+        ax.set_yticks([2, 4, 8, 16])
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=8, ncol=2)
+    axes[-1].set_xlabel("layer")
+    fig.suptitle(f"{res.name}: bits per layer of mixed-precision policies")
+    return fig
+
+
+def _spec_bits(spec) -> float:
+    bits = getattr(spec, "bits", None)
+    if getattr(spec, "format", "") in ("fp8_e4m3", "fp8_e5m2"):
+        return 8
+    return float(bits) if bits else 16
+
+
+#: The per-run figures of the report: file stem -> function.
+RUN_PLOTS = {
+    "quality_vs_memory": quality_vs_memory,
+    "policy_quality": policy_bars,
+    "by_position": by_position,
+    "memory": memory_bars,
+    "layer_errors": layer_errors,
+    "needle": needle_heatmaps,
+    "sensitivity": sensitivity_heatmap,
+    "bits_per_layer": bits_per_layer,
+}
+
+__all__ = [
+    "quality_vs_memory", "policy_bars", "by_position", "memory_bars", "layer_errors", "needle_heatmaps",
+    "sensitivity_heatmap", "bits_per_layer", "pareto_front", "save", "RUN_PLOTS", "OKABE_ITO",
+]

@@ -1,0 +1,166 @@
+"""The report's tables: pandas frames for ``tables/*.csv`` and their Markdown / HTML renderings."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from kveval.report.load import BASELINE, RunResults
+
+
+def summary(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
+    """One row per (run, policy), the baseline first in each run: every column of ``RunResults.summary``."""
+    runs = [runs] if isinstance(runs, RunResults) else list(runs)
+    return pd.concat([r.summary for r in runs], ignore_index=True)
+
+
+def verdict_table(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
+    """The readable verdict table: policy, spec, PPL, ΔPPL %, KLD [95% CI], top-1, bits/element, compression,
+    needle accuracy (when measured), verdict. Formatted strings; a ``run`` column only for several runs."""
+    runs = [runs] if isinstance(runs, RunResults) else list(runs)
+    df = summary(runs)
+    rows = []
+    for _, r in df.iterrows():
+        base = r["policy"] == BASELINE
+        kld = "" if base or not _ok(r["kld_mean"]) else _g(r["kld_mean"]) + (
+            f" [{_g(r['kld_ci95_lo'])}, {_g(r['kld_ci95_hi'])}]" if _ok(r["kld_ci95_lo"]) else "")
+        row = {
+            "run": r["run"], "policy": r["policy"], "spec": r["spec"],
+            "PPL": _f(r["ppl"], ".3f"),
+            "ΔPPL %": "" if base else _f(r["delta_ppl_pct"], "+.2f"),
+            "KLD [95% CI]": kld,
+            "top-1 agree": "" if base else _f(r["top1_agree"], ".3f"),
+            "bits/elem": _f(r["bits_per_element"], ".2f"),
+            "bytes/token": _f(r["bytes_per_token"], ",.0f"),
+            "compression": _f(r["compression_vs_fp16"], ".2f", suffix="×"),
+            "max batch": _f(r["max_batch"], ".0f"),
+            "needle acc": _f(r["needle_accuracy"], ".2f"),
+            "noise floor ΔPPL %": _f(r["noise_floor_ppl_pct"], ".2f", prefix="±"),
+            "verdict": r["verdict"],
+        }
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    keep = [c for c in out.columns if c in ("policy", "verdict") or (out[c] != "").any()]
+    if len(runs) == 1:
+        keep = [c for c in keep if c != "run"]
+    return out[keep]
+
+
+def specs_table(res: RunResults) -> pd.DataFrame:
+    """Policy name and its specification in words (the baseline included)."""
+    return res.summary[["policy", "spec"]].reset_index(drop=True)
+
+
+def memory_table(res: RunResults) -> pd.DataFrame:
+    """The memory bill per policy at the run's context (batch 1), formatted: codes, scales (+ zero points),
+    full-precision tokens, total (binary units), bytes per token and compression against FP16."""
+    from kveval.memory import format_bytes
+
+    mem = res.memory
+    if mem.empty:
+        return pd.DataFrame()
+    fp16 = mem.loc[mem["policy"] == BASELINE, "total"]
+    rows = []
+    for _, m in mem.iterrows():
+        rows.append({
+            "policy": "fp16 (baseline)" if m["policy"] == BASELINE else m["policy"],
+            "codes": format_bytes(m["codes"]), "scales + zero points": format_bytes(m["scales"]),
+            "full precision": format_bytes(m["residual"]), "total": format_bytes(m["total"]),
+            "bytes/token": f"{m['bytes_per_token']:,.0f}",
+            "vs FP16": f"{float(fp16.iloc[0]) / m['total']:.2f}×" if len(fp16) and m["total"] else "",
+        })
+    return pd.DataFrame(rows)
+
+
+def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
+    """Write ``summary.csv``, ``positions.csv``, ``layers.csv``, ``memory.csv`` and, when present,
+    ``needle.csv`` and ``sensitivity.csv`` (all runs concatenated, a ``run`` column first); returns name -> path."""
+    tables_dir = Path(tables_dir)
+    tables_dir.mkdir(parents=True, exist_ok=True)
+    out = {}
+    frames = {
+        "summary": summary(runs),
+        "positions": pd.concat([r.positions for r in runs], ignore_index=True),
+        "layers": pd.concat([r.layers for r in runs], ignore_index=True),
+        "memory": pd.concat([r.memory for r in runs], ignore_index=True),
+        "needle": pd.concat([r.needle for r in runs], ignore_index=True),
+        "sensitivity": pd.concat([r.sensitivity for r in runs], ignore_index=True),
+    }
+    for name, df in frames.items():
+        if df.empty and name in ("needle", "sensitivity"):
+            continue
+        path = tables_dir / f"{name}.csv"
+        df.to_csv(path, index=False)
+        out[name] = path
+    return out
+
+
+# ------------------------------------------------------------------------------------------- rendering
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    """A GitHub Markdown table (no tabulate dependency); numbers right-aligned."""
+    if df.empty:
+        return "_(empty)_"
+    cols = list(df.columns)
+    cells = [[_cell(v) for v in row] for row in df.itertuples(index=False)]
+    numeric = [all(_looks_numeric(c[i]) for c in cells if c[i]) for i in range(len(cols))]
+    head = "| " + " | ".join(str(c) for c in cols) + " |"
+    sep = "|" + "|".join("---:" if n else ":---" for n in numeric) + "|"
+    body = ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
+    return "\n".join([head, sep, *body])
+
+
+def to_html(df: pd.DataFrame, caption: str | None = None) -> str:
+    """A plain HTML table (escaped, no links), verdict cells classed ``pass`` / ``fail`` for the stylesheet."""
+    parts = ["<table>"]
+    if caption:
+        parts.append(f"<caption>{html.escape(caption)}</caption>")
+    parts.append("<thead><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns) + "</tr></thead>")
+    parts.append("<tbody>")
+    for row in df.itertuples(index=False):
+        tds = []
+        for col, v in zip(df.columns, row):
+            text = _cell(v)
+            cls = f' class="{text}"' if col == "verdict" and text in ("pass", "fail", "within_noise") else (
+                ' class="num"' if _looks_numeric(text) else "")
+            tds.append(f"<td{cls}>{html.escape(text)}</td>")
+        parts.append("<tr>" + "".join(tds) + "</tr>")
+    parts.append("</tbody></table>")
+    return "\n".join(parts)
+
+
+def _cell(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    if isinstance(v, float):
+        return _g(v)
+    return str(v)
+
+
+def _looks_numeric(text: str) -> bool:
+    t = text.replace(",", "").replace("×", "").replace("±", "").replace("%", "").strip()
+    try:
+        float(t)
+        return True
+    except ValueError:
+        return False
+
+
+def _ok(v) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def _g(v) -> str:
+    return "" if not _ok(v) else f"{float(v):.3g}"
+
+
+def _f(v, spec: str, prefix: str = "", suffix: str = "") -> str:
+    return "" if not _ok(v) else f"{prefix}{format(float(v), spec)}{suffix}"
+
+
+__all__ = ["summary", "verdict_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html"]

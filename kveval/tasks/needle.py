@@ -1,0 +1,372 @@
+"""Long-context retrieval: a passkey or a fact hidden at a depth of a context, scored two ways, per policy.
+
+Grid: ``context_lengths`` × ``depths`` cells, ``trials`` per cell, each trial with fresh seeded values
+(``kveval.needle_prompts``). Every policy (and the FP baseline) sees the same prompts. A context length is the
+whole sequence the cache holds at the end: the prompt is exactly ``context - max_new_tokens`` tokens, so
+prompt + answer never exceeds it (the RULER convention; an 8192-token context fits an 8192-token model).
+
+Per (trial, policy), one record:
+- ``exact_match``: greedy generation (``max_new_tokens``) through the real quantized cache (``QuantizedKVCache``,
+  prefill as the policy says; plain ``generate`` for the baseline), the answer anywhere in the output.
+- ``answer_logprob`` (mean per answer token; ``answer_logprob_sum`` too) and ``answer_token_acc`` (argmax ==
+  answer token): the prompt plus the answer in one teacher-forced pass under ``emulate(prefill_len=prompt)``.
+
+metrics.json, per policy (and baseline): ``needle_accuracy``, ``needle_answer_logprob``, ``needle_token_acc``,
+``needle_trials``, ``needle_cells`` ([{variant, context, depth, trials, accuracy, logprob, token_acc}]); policies
+add ``needle_accuracy_delta``, ``needle_logprob_delta`` and ``needle_lost`` (share of trials the baseline answers
+and the policy does not). Plots: ``plots/needle_<policy>.png`` and ``plots/needle_<policy>_diff.png``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from kveval.errors import KvevalError
+from kveval.models import model_context_limit
+from kveval.needle_prompts import (
+    PASSKEY_FILLER,
+    SentenceTokens,
+    build_prompt,
+    exact_match,
+    make_spec,
+    split_sentences,
+    trial_rng,
+)
+from kveval.patch import QuantizedKVCache, emulate
+from kveval.schema import Strict
+
+BASELINE = "baseline"
+NAME = "needle"
+
+
+class Params(Strict):
+    """Needle-in-a-haystack / passkey retrieval over context length × depth."""
+
+    variant: Literal["passkey", "needle"] = "passkey"
+    context_lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1024, 2048], min_length=1)
+    depths: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=lambda: [0.0, 0.5, 1.0], min_length=1)
+    trials: int = Field(2, gt=0)
+    max_new_tokens: int = Field(8, gt=0)
+    generate: bool = True
+    chat_template: bool = True
+    plots: bool = True
+
+    @model_validator(mode="after")
+    def _unique(self):
+        for name in ("context_lengths", "depths"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} has duplicates")
+        return self
+
+    @property
+    def seq_len(self) -> int:
+        """The longest context (the runner sizes the memory bill from it)."""
+        return max(self.context_lengths)
+
+
+def record_key(variant: str, context: int, depth: float, trial: int, policy: str) -> str:
+    return f"needle/{variant}/c{context}/d{depth:g}/t{trial}/{policy}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------------------------
+def haystack(ctx, params: Params) -> SentenceTokens:
+    """Filler sentences (tokenized on demand, cached in ``ctx.cache``): repetitive text for passkey, the
+    config's corpus (``data``) for needle."""
+    key = f"needle_haystack/{params.variant}"
+    if key not in ctx.cache:
+        if params.variant == "passkey":
+            sentences = list(PASSKEY_FILLER)
+        else:
+            from kveval.data import load_text
+
+            d = ctx.cfg.data
+            sentences = split_sentences(load_text(d.source, split=d.split, text_field=d.text_field))
+        ctx.cache[key] = SentenceTokens(ctx.tokenizer, sentences)
+    return ctx.cache[key]
+
+
+def trial_prompt(tokenizer, params: Params, sentences: SentenceTokens, *, seed: int, context: int, depth: float,
+                 trial: int):
+    """The (spec, prompt) of one trial; the same arguments always give the same prompt."""
+    rng = trial_rng(seed=seed, variant=params.variant, context=context, depth=depth, trial=trial)
+    spec = make_spec(params.variant, rng)
+    start = rng.randrange(len(sentences))
+    prompt = build_prompt(
+        tokenizer, spec, prompt_tokens=context - params.max_new_tokens, depth=depth, sentences=sentences,
+        start=start, chat_template=params.chat_template,
+    )
+    if len(prompt.answer_ids) > params.max_new_tokens:
+        raise KvevalError(
+            f"needle: the answer takes {len(prompt.answer_ids)} tokens, more than max_new_tokens "
+            f"{params.max_new_tokens}; raise max_new_tokens"
+        )
+    return spec, prompt
+
+
+def check(ctx, params: Params) -> None:
+    """Input errors before anything is written: a context beyond the model's, a context too short for the
+    instruction + needle + answer, an unreadable corpus."""
+    limit = model_context_limit(ctx.model)
+    too_long = [c for c in params.context_lengths if c > limit]
+    if too_long:
+        raise KvevalError(
+            f"tasks: needle.context_lengths {too_long} exceed the model's context ({limit} tokens); lower them"
+        )
+    sentences = haystack(ctx, params)
+    shortest = min(params.context_lengths)
+    if shortest <= params.max_new_tokens:
+        raise KvevalError(f"tasks: needle.context_lengths {shortest} leaves no room for a prompt before "
+                          f"max_new_tokens {params.max_new_tokens}")
+    for depth in params.depths:
+        for trial in range(params.trials):
+            try:
+                trial_prompt(ctx.tokenizer, params, sentences, seed=ctx.cfg.seed, context=shortest, depth=depth,
+                             trial=trial)
+            except KvevalError as exc:
+                raise KvevalError(f"tasks: needle: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two scores
+# ---------------------------------------------------------------------------------------------------------------
+def _accepts(model, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(model.forward).parameters
+
+
+def score_answer(model, prompt_ids: list[int], answer_ids: list[int], policy=None) -> dict:
+    """Teacher-forced: log-probs of ``answer_ids`` after ``prompt_ids`` in one pass (under ``emulate`` with
+    ``prefill_len = len(prompt_ids)`` when ``policy`` is given; the unpatched model otherwise).
+
+    Returns ``answer_logprob`` (mean per token), ``answer_logprob_sum``, ``answer_token_acc`` and
+    ``answer_tokens``. Only the last ``len(answer)+1`` logits are computed when the model allows it.
+    """
+    n = len(answer_ids)
+    ids = torch.tensor([list(prompt_ids) + list(answer_ids)], device=model.device)
+    kwargs = {"logits_to_keep": n + 1} if _accepts(model, "logits_to_keep") else {}
+    patch = emulate(model, policy, prefill_len=len(prompt_ids)) if policy is not None else nullcontext()
+    with patch, torch.no_grad():
+        logits = model(ids, **kwargs).logits[0, -(n + 1):-1].float()
+    target = torch.tensor(answer_ids, device=logits.device)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None])[:, 0]
+    return {
+        "answer_logprob": float(logp.mean()),
+        "answer_logprob_sum": float(logp.sum()),
+        "answer_token_acc": float((logits.argmax(-1) == target).float().mean()),
+        "answer_tokens": n,
+    }
+
+
+def generate_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, policy=None) -> str:
+    """Greedy continuation of ``prompt_ids`` (through ``QuantizedKVCache(model, policy)`` when ``policy`` is
+    given), decoded without special tokens."""
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
+        pad_token_id=model.generation_config.pad_token_id or tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
+    if policy is not None:
+        kwargs["past_key_values"] = QuantizedKVCache(model, policy)
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs)
+    return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+
+
+def evaluate(model, tokenizer, spec, prompt, params: Params, policy=None) -> dict:
+    """Both scores of one trial under one policy (None: the unpatched model), with their timings."""
+    t0 = time.perf_counter()
+    rec = score_answer(model, prompt.input_ids, prompt.answer_ids, policy)
+    rec["seconds_score"] = time.perf_counter() - t0
+    if params.generate:
+        t0 = time.perf_counter()
+        text = generate_answer(model, tokenizer, prompt.input_ids, params.max_new_tokens, policy)
+        rec["seconds_generate"] = time.perf_counter() - t0
+        rec["generated"] = text
+        rec["exact_match"] = int(exact_match(text, spec.answer))
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------------------
+def run(ctx, params: Params) -> dict:
+    """Evaluate every (cell, trial, policy) not yet recorded, aggregate all needle records, draw the heatmaps."""
+    names = [BASELINE, *ctx.policies]
+    trials = [(c, d, t) for c in params.context_lengths for d in params.depths for t in range(params.trials)]
+    done = ctx.run.done_keys()
+    todo = [x for x in trials if any(record_key(params.variant, *x, n) not in done for n in names)]
+    if len(todo) < len(trials):
+        ctx.progress.log(f"needle: resuming, {len(trials) - len(todo)} of {len(trials)} trials already recorded")
+    sentences = haystack(ctx, params)
+    model, tok = ctx.model, ctx.tokenizer
+    with ctx.progress.task(f"needle ({params.variant})", total=len(todo) * len(names), unit="tok") as advance:
+        for context, depth, trial in todo:
+            spec, prompt = trial_prompt(tok, params, sentences, seed=ctx.cfg.seed, context=context, depth=depth,
+                                        trial=trial)
+            for name in names:
+                key = record_key(params.variant, context, depth, trial, name)
+                if key in done:
+                    advance(0)
+                    continue
+                policy = None if name == BASELINE else ctx.policies[name]
+                rec = {
+                    "key": key, "task": NAME, "variant": params.variant, "context": context, "depth": depth,
+                    "trial": trial, "policy": name, "answer": spec.answer, "prompt_tokens": len(prompt.input_ids),
+                    "needle_start": prompt.needle_start, "needle_depth_tokens": prompt.needle_start - prompt.haystack_start,
+                }
+                rec.update(evaluate(model, tok, spec, prompt, params, policy))
+                ctx.run.append(rec)
+                advance(context)
+    metrics = aggregate(ctx.run.records(), list(ctx.policies))
+    if params.plots:
+        plot_needle(metrics, ctx.run.path / "plots")
+    return metrics
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _summarise(records: list[dict]) -> dict:
+    cells: dict[tuple, list[dict]] = {}
+    for r in records:
+        cells.setdefault((r["variant"], r["context"], r["depth"]), []).append(r)
+    rows = []
+    for (variant, context, depth), recs in sorted(cells.items()):
+        rows.append({
+            "variant": variant, "context": context, "depth": depth, "trials": len(recs),
+            "accuracy": _mean([r.get("exact_match") for r in recs]),
+            "logprob": _mean([r["answer_logprob"] for r in recs]),
+            "token_acc": _mean([r["answer_token_acc"] for r in recs]),
+        })
+    return {
+        "needle_accuracy": _mean([r.get("exact_match") for r in records]),
+        "needle_answer_logprob": _mean([r["answer_logprob"] for r in records]),
+        "needle_token_acc": _mean([r["answer_token_acc"] for r in records]),
+        "needle_trials": len(records),
+        "needle_cells": rows,
+    }
+
+
+def _trial_id(r: dict) -> tuple:
+    return (r["variant"], r["context"], r["depth"], r["trial"])
+
+
+def aggregate(records: list[dict], policies: list[str]) -> dict:
+    """metrics.json's needle fields from the records (pure: the same records give the same metrics)."""
+    by_policy: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("task") == NAME:
+            by_policy.setdefault(r["policy"], []).append(r)
+    base_recs = by_policy.get(BASELINE, [])
+    base = _summarise(base_recs)
+    base_hit = {_trial_id(r): r.get("exact_match") for r in base_recs}
+    out = {"baseline": base, "policies": {}}
+    for name in policies:
+        recs = by_policy.get(name, [])
+        s = _summarise(recs)
+        for field, delta in (("needle_accuracy", "needle_accuracy_delta"), ("needle_answer_logprob", "needle_logprob_delta")):
+            s[delta] = None if s[field] is None or base[field] is None else s[field] - base[field]
+        pairs = [(base_hit.get(_trial_id(r)), r.get("exact_match")) for r in recs]
+        pairs = [(b, p) for b, p in pairs if b is not None and p is not None]
+        s["needle_lost"] = sum(1 for b, p in pairs if b and not p) / len(pairs) if pairs else None
+        out["policies"][name] = s
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Heatmaps
+# ---------------------------------------------------------------------------------------------------------------
+def _grid(cells: list[dict], variant: str, field: str, contexts: list[int], depths: list[float]):
+    import numpy as np
+
+    grid = np.full((len(contexts), len(depths)), np.nan)
+    for c in cells:
+        if c["variant"] == variant and c[field] is not None:
+            grid[contexts.index(c["context"]), depths.index(c["depth"])] = c[field]
+    return grid
+
+
+def _heatmap(ax, grid, contexts, depths, title, cmap, vmin, vmax, fmt):
+    import numpy as np
+
+    im = ax.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
+    ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_yticks(range(len(contexts)), [str(c) for c in contexts])
+    ax.set_xlabel("needle depth")
+    ax.set_ylabel("context (tokens)")
+    ax.set_title(title, fontsize=10)
+    for (i, j), v in np.ndenumerate(grid):
+        if not np.isnan(v):
+            ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=8)
+    ax.figure.colorbar(im, ax=ax)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def plot_needle(metrics: dict, out_dir: str | Path) -> list[Path]:
+    """Heatmaps (context × depth) from metrics.json's ``needle_cells``: per policy and the baseline
+    ``needle_<name>.png`` (exact match | answer log-prob), per policy ``needle_<name>_diff.png`` (policy minus
+    baseline). With several variants in one run, file names carry the variant: ``needle_<variant>_<name>.png``.
+    Uses matplotlib's Agg canvas without pyplot (no global backend change). Returns the files written."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    entries = {BASELINE: metrics.get("baseline", {}), **metrics.get("policies", {})}
+    entries = {n: e for n, e in entries.items() if e.get("needle_cells")}
+    if not entries:
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    all_cells = [c for e in entries.values() for c in e["needle_cells"]]
+    variants = sorted({c["variant"] for c in all_cells})
+    base_cells = entries.get(BASELINE, {}).get("needle_cells", [])
+    written = []
+    for variant in variants:
+        cells_v = [c for c in all_cells if c["variant"] == variant]
+        contexts = sorted({c["context"] for c in cells_v})
+        depths = sorted({c["depth"] for c in cells_v})
+        lps = [c["logprob"] for c in cells_v if c["logprob"] is not None]
+        lp_lo, lp_hi = (min(lps), max(lps)) if lps else (None, None)
+        stem = "needle" if len(variants) == 1 else f"needle_{variant}"
+        base_acc = _grid(base_cells, variant, "accuracy", contexts, depths)
+        base_lp = _grid(base_cells, variant, "logprob", contexts, depths)
+        for name, entry in entries.items():
+            acc = _grid(entry["needle_cells"], variant, "accuracy", contexts, depths)
+            lp = _grid(entry["needle_cells"], variant, "logprob", contexts, depths)
+            fig = Figure(figsize=(11, 0.6 * len(contexts) + 2.6))
+            ax1, ax2 = fig.subplots(1, 2)
+            _heatmap(ax1, acc, contexts, depths, f"{name}: exact match ({variant})", "RdYlGn", 0, 1, ".2f")
+            _heatmap(ax2, lp, contexts, depths, f"{name}: answer log-prob / token", "viridis", lp_lo, lp_hi, ".2f")
+            fig.tight_layout()
+            path = out_dir / f"{stem}_{_safe(name)}.png"
+            fig.savefig(path, dpi=110)
+            written.append(path)
+            if name == BASELINE or not base_cells:
+                continue
+            d_acc, d_lp = acc - base_acc, lp - base_lp
+            lim = float(np.nanmax(np.abs(d_lp))) if np.isfinite(d_lp).any() else 1.0
+            fig = Figure(figsize=(11, 0.6 * len(contexts) + 2.6))
+            ax1, ax2 = fig.subplots(1, 2)
+            _heatmap(ax1, d_acc, contexts, depths, f"{name} - baseline: exact match", "RdBu", -1, 1, "+.2f")
+            _heatmap(ax2, d_lp, contexts, depths, f"{name} - baseline: log-prob / token", "RdBu",
+                     -max(lim, 1e-6), max(lim, 1e-6), "+.2f")
+            fig.tight_layout()
+            path = out_dir / f"{stem}_{_safe(name)}_diff.png"
+            fig.savefig(path, dpi=110)
+            written.append(path)
+    return written

@@ -1,0 +1,181 @@
+"""Per-layer, per-K/V sensitivity: quantize one tensor of one layer, measure KL divergence from the baseline.
+
+Cells: every selected layer x {key, value} x spec. Each cell quantizes only that tensor (residual 0, no sinks),
+everything else full precision, on a calibration slice (windows of ``seq_len`` over the first ``max_tokens``
+tokens). One record per (window, cell) and one per window for the baseline, so a killed scan resumes.
+By default layers before the quantized one are not recomputed (``kveval.scan``: prefix reuse); ``naive: true``
+runs the full model per cell and gives the same numbers.
+
+metrics.json: ``sensitivity: {cells: [{layer, tensor, spec, kld, delta_ppl_pct, nll_delta, top1_agree}],
+ranking: {spec: [cells, most sensitive first]}, layer_ranking: {spec: [layers by K+V KLD]},
+k_vs_v: {spec: {key_kld_sum, value_kld_sum, ratio_key_over_value, layers_key_worse, more_sensitive}}, ...}``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from kveval.data import token_windows
+from kveval.errors import KvevalError
+from kveval.models import model_context_limit
+from kveval.policy import parse_layer_selector
+from kveval.quant import preset
+from kveval.schema import Strict
+
+NAME = "sensitivity"
+
+
+class Params(Strict):
+    """Per-layer, per-K/V sensitivity scan (``kveval scan``)."""
+
+    specs: list[str] = Field(default_factory=lambda: ["int4_g64", "int2_g32"], min_length=1)
+    tensors: list[Literal["key", "value"]] = Field(default_factory=lambda: ["key", "value"], min_length=1)
+    layers: str = "all"
+    seq_len: int = Field(256, gt=1)
+    max_tokens: int | None = Field(512, gt=0)
+    naive: bool = False
+    plots: bool = True
+
+    @field_validator("specs")
+    @classmethod
+    def _known_specs(cls, value):
+        for name in value:
+            preset(name)  # ValueError with a "did you mean"
+        if len(set(value)) != len(value):
+            raise ValueError("specs are listed twice")
+        return value
+
+
+def _key(window: int, cell: tuple | None = None) -> str:
+    if cell is None:
+        return f"sensitivity/w{window}/baseline"
+    layer, tensor, spec = cell
+    return f"sensitivity/w{window}/L{layer}/{tensor}/{spec}"
+
+
+def check(ctx, params: Params) -> None:
+    from kveval.scan import cell_policy, check_reusable
+
+    n = ctx.info["num_layers"]
+    parse_layer_selector(params.layers, n)
+    for spec in params.specs:
+        cell_policy(0, "key", spec).check_model(n, ctx.info["head_dim"])  # group sizes, granularity
+    limit = model_context_limit(ctx.model)
+    if params.seq_len > limit:
+        raise KvevalError(f"tasks: sensitivity.seq_len {params.seq_len} is longer than the model's context ({limit})")
+    if ctx.tokens().numel() < params.seq_len:
+        raise KvevalError(f"the corpus has {ctx.tokens().numel()} tokens, fewer than one window of {params.seq_len}")
+    if not params.naive:
+        check_reusable(ctx.model)
+
+
+def _compare(base_logp, base_p, logits, targets) -> dict:
+    """Sums over positions of KL(P_base || P), NLL and top-1 agreement (the maths of ``stats.compare_logits``,
+    with the baseline's log-softmax computed once per window)."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    kld = (base_p * (base_logp - logp)).sum(-1).clamp(min=0.0)
+    nll = -logp.gather(-1, targets[:, None]).squeeze(-1)
+    agree = (base_logp.argmax(-1) == logp.argmax(-1)).double()
+    return {"kld_sum": float(kld.sum()), "nll_sum": float(nll.sum()), "agree_sum": float(agree.sum())}
+
+
+def run(ctx, params: Params) -> dict:
+    from kveval.scan import baseline_prefix, cell_policy, naive_logits, replay, verify_replay
+
+    layers = parse_layer_selector(params.layers, ctx.info["num_layers"])
+    cells = [(i, t, s) for s in params.specs for i in layers for t in params.tensors]
+    windows = list(token_windows(ctx.tokens(), params.seq_len, max_tokens=params.max_tokens))
+    done = ctx.run.done_keys()
+    todo = [(w, [c for c in cells if _key(w.index, c) not in done]) for w in windows]
+    todo = [(w, cs) for w, cs in todo if cs or _key(w.index) not in done]
+    skipped = sum(len(cells) - len(cs) for _, cs in todo) + (len(windows) - len(todo)) * len(cells)
+    if skipped:
+        ctx.progress.log(f"sensitivity: resuming, {skipped} of {len(windows) * len(cells)} cells already recorded")
+    mode = "naive" if params.naive else "reuse"
+    model, verified = ctx.model, False
+    with ctx.progress.task(f"sensitivity ({mode})", total=sum(len(cs) for _, cs in todo), unit="cell") as advance:
+        for w, cs in todo:
+            ids = w.input_ids.to(model.device)[None]
+            prefix = baseline_prefix(model, ids, capture=not params.naive)
+            sl = w.logits_slice
+            targets = ids[0, w.score_from:]
+            base_logp = torch.log_softmax(prefix.logits[0, sl].double(), dim=-1)
+            base_p = base_logp.exp()
+            if not params.naive and not verified:
+                verify_replay(model, prefix)
+                verified = True
+            if _key(w.index) not in done:
+                base = _compare(base_logp, base_p, prefix.logits[0, sl], targets)
+                ctx.run.append({"key": _key(w.index), "task": NAME, "window": w.index, "n_tokens": w.n_scored,
+                                "nll_sum": base["nll_sum"]})
+            for layer, tensor, spec in cs:
+                policy = cell_policy(layer, tensor, spec)
+                logits = naive_logits(model, ids, policy) if params.naive else replay(model, prefix, layer, policy)
+                rec = {"key": _key(w.index, (layer, tensor, spec)), "task": NAME, "window": w.index,
+                       "layer": layer, "tensor": tensor, "spec": spec, "n_tokens": w.n_scored, "mode": mode}
+                rec.update(_compare(base_logp, base_p, logits[0, sl], targets))
+                ctx.run.append(rec)
+                advance(1)
+    out = aggregate(ctx.run.records(), params)
+    if params.plots and out["sensitivity"]["cells"]:
+        from kveval.scan import plot_heatmap, plot_ranked
+
+        s = out["sensitivity"]
+        plot_heatmap(s["cells"], s["specs"], ctx.info["num_layers"], ctx.run.path / "plots" / "sensitivity_heatmap.png")
+        plot_ranked(s["cells"], s["specs"], ctx.run.path / "plots" / "sensitivity_ranked.png")
+    return out
+
+
+def aggregate(records: list[dict], params: Params) -> dict:
+    """metrics.json's ``sensitivity`` section from the records (pure)."""
+    base_n = base_nll = 0.0
+    sums: dict[tuple, list[float]] = {}
+    for rec in records:
+        if rec.get("task") != NAME:
+            continue
+        if "layer" not in rec:
+            base_n, base_nll = base_n + rec["n_tokens"], base_nll + rec["nll_sum"]
+            continue
+        s = sums.setdefault((rec["layer"], rec["tensor"], rec["spec"]), [0.0, 0.0, 0.0, 0.0])
+        for j, k in enumerate(("n_tokens", "kld_sum", "nll_sum", "agree_sum")):
+            s[j] += rec[k]
+    base_nll_mean = base_nll / base_n if base_n else math.nan
+    cells = []
+    for (layer, tensor, spec), (n, kld, nll, agree) in sorted(
+        sums.items(), key=lambda kv: (params.specs.index(kv[0][2]) if kv[0][2] in params.specs else 99, kv[0][0],
+                                      kv[0][1])
+    ):
+        delta = nll / n - base_nll_mean
+        cells.append({"layer": layer, "tensor": tensor, "spec": spec, "kld": kld / n, "nll_delta": delta,
+                      "delta_ppl_pct": 100.0 * math.expm1(delta), "top1_agree": agree / n, "tokens": int(n)})
+    specs = [s for s in params.specs if any(c["spec"] == s for c in cells)]
+    ranking, layer_ranking, k_vs_v = {}, {}, {}
+    for spec in specs:
+        mine = [c for c in cells if c["spec"] == spec]
+        ranking[spec] = [{k: c[k] for k in ("layer", "tensor", "kld", "delta_ppl_pct")}
+                         for c in sorted(mine, key=lambda c: -c["kld"])]
+        per_layer: dict[int, float] = {}
+        for c in mine:
+            per_layer[c["layer"]] = per_layer.get(c["layer"], 0.0) + c["kld"]
+        layer_ranking[spec] = sorted(per_layer, key=lambda i: -per_layer[i])
+        k = {c["layer"]: c["kld"] for c in mine if c["tensor"] == "key"}
+        v = {c["layer"]: c["kld"] for c in mine if c["tensor"] == "value"}
+        if k and v:
+            ks, vs = sum(k.values()), sum(v.values())
+            both = [i for i in k if i in v]
+            k_vs_v[spec] = {
+                "key_kld_sum": ks, "value_kld_sum": vs,
+                "ratio_key_over_value": ks / vs if vs > 0 else math.inf,
+                "layers_key_worse": sum(1 for i in both if k[i] > v[i]), "layers_compared": len(both),
+                "more_sensitive": "key" if ks > vs else "value",
+            }
+    base_ppl = math.exp(base_nll_mean) if base_n else None
+    return {"sensitivity": {
+        "mode": "naive" if params.naive else "reuse", "specs": specs, "seq_len": params.seq_len,
+        "tokens": int(base_n), "baseline": {"ppl": base_ppl, "nll_mean": base_nll_mean},
+        "cells": cells, "ranking": ranking, "layer_ranking": layer_ranking, "k_vs_v": k_vs_v,
+    }}

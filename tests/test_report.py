@@ -1,0 +1,179 @@
+"""Reports: every plot on a synthetic results folder, the self-contained HTML, optional tasks, corrupt input,
+several runs. No model: the folders are written by hand (kveval.report.synthetic)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pandas as pd
+import pytest
+
+from kveval.errors import KvevalError
+from kveval.report import load, plots, report_command, write_run_report
+from kveval.report.render import kv_pairs, reading_of
+from kveval.report.synthetic import write_synthetic_run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """A run with every optional part: needle cells, a sensitivity scan, noise floors, a mixed policy."""
+    return write_synthetic_run(tmp_path_factory.mktemp("runs") / "full", needle=True, sensitivity=True,
+                               noise_floor=True)
+
+
+@pytest.fixture(scope="module")
+def full_report(full_run, tmp_path_factory):
+    return report_command([full_run], tmp_path_factory.mktemp("report"))
+
+
+def test_load_frames(full_run):
+    res = load(full_run)
+    assert list(res.summary["policy"]) == ["baseline", "int8", "int4_g64", "k4v8", "k8v4", "kivi2", "mixed"]
+    base = res.summary.iloc[0]
+    assert base["delta_ppl_pct"] == 0 and base["compression_vs_fp16"] == pytest.approx(1.0)
+    assert res.summary["spec"].iloc[1] == "K/V int8 sym token (fp16 scales)"
+    assert set(res.positions["policy"]) == set(res.summary["policy"])
+    assert len(res.layers) == 6 * 4 and {"key_rel_mse", "value_rel_mse"} <= set(res.layers.columns)
+    assert len(res.needle) == 7 * 9 and len(res.sensitivity) == 8
+    assert list(res.memory["policy"])[0] == "baseline"
+    assert (res.memory["codes"] + res.memory["scales"] + res.memory["residual"] == res.memory["total"]).all()
+    assert len(res.records) == 8 * 7
+    assert res.threshold == {"delta_ppl_pct": 1.0, "kld": None}
+
+
+@pytest.mark.parametrize("name", list(plots.RUN_PLOTS))
+def test_every_plot_writes_a_png(full_run, tmp_path, name):
+    fig = plots.RUN_PLOTS[name](load(full_run))
+    assert fig is not None, name
+    path = plots.save(fig, tmp_path / f"{name}.png", dpi=40)
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 2000
+    for ax in fig.axes:  # every visible panel (colour bars aside) is labelled
+        if ax.get_visible() and ax.axison and ax.get_label() != "<colorbar>":
+            assert ax.get_xlabel() or ax.get_ylabel(), (name, ax.get_title())
+    assert any(ax.get_xlabel() for ax in fig.axes) and any(ax.get_ylabel() for ax in fig.axes)
+
+
+def test_pareto_front():
+    # (bytes, damage): the point at 3 is dominated by the one at 2
+    assert plots.pareto_front([1, 2, 3, 4], [10, 1, 5, 0.5]) == [0, 1, 3]
+    assert plots.pareto_front([1, float("nan")], [1, 0]) == [0]
+
+
+def test_report_files_and_self_contained_html(full_run, full_report):
+    out = full_report
+    for f in ("report.md", "report.html", "tables/summary.csv", "tables/positions.csv", "tables/layers.csv",
+              "tables/memory.csv", "tables/needle.csv", "tables/sensitivity.csv"):
+        assert (out / f).is_file(), f
+    pngs = sorted((out / "plots").glob("*.png"))
+    assert {p.stem for p in pngs} == set(plots.RUN_PLOTS)
+    page = (out / "report.html").read_text()
+    # every image embedded, and nothing else is fetched
+    srcs = re.findall(r'src="([^"]*)"', page)
+    assert len(srcs) == len(pngs) and all(s.startswith("data:image/png;base64,") for s in srcs)
+    without_data = re.sub(r'data:image/png;base64,[A-Za-z0-9+/=]+', "", page)
+    assert "http" not in without_data and "<script" not in without_data and "<link" not in without_data
+    assert "href=" not in without_data and "url(" not in without_data
+    # every table: the verdict table (one row per policy), memory, worst layers, environment
+    assert page.count("<table>") >= 4
+    summary = pd.read_csv(out / "tables" / "summary.csv")
+    for policy in summary["policy"]:
+        assert f"<td>{policy}</td>" in page
+    md = (out / "report.md").read_text()
+    for p in pngs:
+        assert f"](plots/{p.name})" in md
+    assert "kveval run configs/full.yaml" in md and "kveval report" in md
+    assert "within_noise" in page
+
+
+def test_reading(full_run):
+    res = load(full_run)
+    assert kv_pairs(res) == [("k4v8", "k8v4")]
+    text = "\n".join(reading_of(res))
+    assert "Keys are more sensitive than values" in text and "K4/V8 (k4v8)" in text
+    assert "cheapest policy within ΔPPL ≤ 1%" in text
+
+
+def test_missing_optional_parts_still_report(tmp_path):
+    run = write_synthetic_run(tmp_path / "plain", policies=("int8", "int4_g64"), records=False)
+    m = json.loads((run / "metrics.json").read_text())
+    for p in m["policies"].values():  # an old run: no memory fields, no layer errors
+        for k in ("bytes_per_token", "compression_vs_fp16", "bits_per_element", "max_batch", "layer_errors"):
+            p.pop(k)
+    m.pop("memory")
+    (run / "metrics.json").write_text(json.dumps(m))
+    (run / "env.json").unlink()
+    out = report_command([run])
+    assert out == run
+    stems = {p.stem for p in (out / "plots").glob("*.png")}
+    assert {"policy_quality", "by_position"} <= stems
+    # no memory fields and a model whose shape is unknown: nothing to put on a memory axis
+    assert not stems & {"needle", "sensitivity", "layer_errors", "bits_per_layer", "memory", "quality_vs_memory"}
+    assert not (out / "tables" / "needle.csv").exists()
+    md = (out / "report.md").read_text()
+    assert "int4_g64" in md and "Keys are more sensitive" not in md
+    res = load(run)
+    assert res.summary["bytes_per_token"].iloc[1:].isna().all()
+
+
+def test_memory_fields_of_old_runs_come_from_the_bill(tmp_path):
+    run = write_synthetic_run(tmp_path / "old", policies=("int8",), records=False)
+    m = json.loads((run / "metrics.json").read_text())
+    expected = m["policies"]["int8"]["bytes_per_token"]
+    del m["policies"]["int8"]["bytes_per_token"]
+    m["model"] = "builtin:smollm2-135m"
+    (run / "metrics.json").write_text(json.dumps(m))
+    res = load(run)  # the arch still comes from metrics["memory"]
+    assert res.summary.set_index("policy").loc["int8", "bytes_per_token"] == pytest.approx(expected)
+
+
+def test_corrupt_metrics_is_one_line(tmp_path):
+    run = write_synthetic_run(tmp_path / "bad", policies=("int8",), records=False)
+    (run / "metrics.json").write_text('{"run": "bad", "policies": {')
+    with pytest.raises(KvevalError) as exc:
+        report_command([run])
+    msg = str(exc.value)
+    assert "metrics.json" in msg and "\n" not in msg
+    assert not (run / "report.html").exists()
+    with pytest.raises(KvevalError, match="does not exist"):
+        load(tmp_path)
+
+
+def test_write_run_report_never_raises(tmp_path, capsys):
+    run = write_synthetic_run(tmp_path / "r", policies=("int8",), records=False)
+    write_run_report(run)
+    assert (run / "report.html").is_file()
+    (run / "metrics.json").write_text("not json")
+    write_run_report(run)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kveval: the report of") and "\n" not in err
+
+
+def test_multi_run_report(full_run, tmp_path):
+    other = write_synthetic_run(tmp_path / "other", policies=("int8", "int2_g32"), seed=1, records=False)
+    twin = tmp_path / "twin"  # the same run name twice: kept apart
+    shutil.copytree(other, twin)
+    out = report_command([full_run, other, twin], tmp_path / "cmp")
+    summary = pd.read_csv(out / "tables" / "summary.csv")
+    assert list(dict.fromkeys(summary["run"])) == ["full", "other", "other-2"]
+    assert len(summary) == 7 + 3 + 3
+    assert (out / "plots" / "all_runs_quality_vs_memory.png").read_bytes().startswith(PNG_MAGIC)
+    md = (out / "report.md").read_text()
+    assert "## All policies of all runs" in md and "| run |" in md
+    assert "## Run full" in md and "## Run other-2" in md
+
+
+def test_default_out_for_several_runs(full_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    other = write_synthetic_run(tmp_path / "o", policies=("int8",), records=False)
+    out = report_command([full_run, other])
+    assert out.parent.name == "reports" and (tmp_path / out / "report.html").is_file()
+
+
+def test_no_runs_is_an_error():
+    with pytest.raises(KvevalError):
+        report_command([])
