@@ -19,7 +19,7 @@ from kveval.data import load_tokens
 from kveval.models import load_model
 from kveval.policy import parse_layer_selector
 from kveval.scan import baseline_prefix, cell_policy, naive_logits, replay
-from kveval.tasks.sensitivity import _compare
+from kveval.tasks.sensitivity import baseline_terms, compare
 
 
 def main() -> None:
@@ -39,8 +39,7 @@ def main() -> None:
     targets = ids[0, 1:]
 
     def base_of(prefix):
-        logp = torch.log_softmax(prefix.logits[0, :-1].double(), dim=-1)
-        return logp, logp.exp()
+        return baseline_terms(prefix.logits[0, :-1])
 
     baseline_prefix(model, ids, capture=False)  # warm-up
     t0 = time.perf_counter()
@@ -55,10 +54,10 @@ def main() -> None:
     for layer, tensor in cells:
         policy = cell_policy(layer, tensor, args.spec)
         t0 = time.perf_counter()
-        a = _compare(*naive_base, naive_logits(model, ids, policy)[0, :-1], targets)
+        a = compare(naive_base, naive_logits(model, ids, policy)[0, :-1], targets)
         t_naive += time.perf_counter() - t0
         t0 = time.perf_counter()
-        b = _compare(*base, replay(model, prefix, layer, policy)[0, :-1], targets)
+        b = compare(base, replay(model, prefix, layer, policy)[0, :-1], targets)
         t_reuse += time.perf_counter() - t0
         for k in a:
             worst = max(worst, abs(a[k] - b[k]) / max(abs(a[k]), 1e-30))

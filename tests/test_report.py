@@ -112,7 +112,7 @@ def test_missing_optional_parts_still_report(tmp_path):
     stems = {p.stem for p in (out / "plots").glob("*.png")}
     assert {"policy_quality", "by_position"} <= stems
     # no memory fields and a model whose shape is unknown: nothing to put on a memory axis
-    assert not stems & {"needle", "sensitivity", "layer_errors", "bits_per_layer", "memory", "quality_vs_memory"}
+    assert not stems & {"needle_grid", "sensitivity_grid", "layer_errors", "bits_per_layer", "memory", "quality_vs_memory"}
     assert not (out / "tables" / "needle.csv").exists()
     md = (out / "report.md").read_text()
     assert "int4_g64" in md and "Keys are more sensitive" not in md
@@ -153,24 +153,28 @@ def test_write_run_report_never_raises(tmp_path, capsys):
     assert err.startswith("kveval: the report of") and "\n" not in err
 
 
-def test_multi_run_report(full_run, tmp_path):
+def test_multi_run_report(tmp_path):
+    a = write_synthetic_run(tmp_path / "a", policies=("int8", "k4v8", "k8v4"), records=False)
     other = write_synthetic_run(tmp_path / "other", policies=("int8", "int2_g32"), seed=1, records=False)
     twin = tmp_path / "twin"  # the same run name twice: kept apart
     shutil.copytree(other, twin)
-    out = report_command([full_run, other, twin], tmp_path / "cmp")
+    out = report_command([a, other, twin], tmp_path / "cmp")
     summary = pd.read_csv(out / "tables" / "summary.csv")
-    assert list(dict.fromkeys(summary["run"])) == ["full", "other", "other-2"]
-    assert len(summary) == 7 + 3 + 3
+    assert list(dict.fromkeys(summary["run"])) == ["a", "other", "other-2"]
+    assert len(summary) == 4 + 3 + 3
     assert (out / "plots" / "all_runs_quality_vs_memory.png").read_bytes().startswith(PNG_MAGIC)
+    assert (out / "plots" / "other-2_memory.png").is_file()
     md = (out / "report.md").read_text()
     assert "## All policies of all runs" in md and "| run |" in md
-    assert "## Run full" in md and "## Run other-2" in md
+    assert "## Run a" in md and "## Run other-2" in md
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == len(list((out / "plots").glob("*.png")))
 
 
-def test_default_out_for_several_runs(full_run, tmp_path, monkeypatch):
+def test_default_out_for_several_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    other = write_synthetic_run(tmp_path / "o", policies=("int8",), records=False)
-    out = report_command([full_run, other])
+    runs = [write_synthetic_run(tmp_path / n, policies=("int8",), records=False) for n in ("x", "y")]
+    out = report_command(runs)
     assert out.parent.name == "reports" and (tmp_path / out / "report.html").is_file()
 
 

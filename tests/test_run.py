@@ -61,7 +61,8 @@ def test_run_writes_results_folder(tmp_path):
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     tokens = load_tokens("builtin", load_model("builtin:tiny-llama")[1])
     n_windows = len(list(token_windows(tokens, 64, max_tokens=640)))
-    assert len(records) == n_windows * 3  # baseline + 2 policies per window
+    assert sum(r["task"] == "perplexity" for r in records) == n_windows * 3  # baseline + 2 policies per window
+    assert sum(r["task"] == "perplexity_noise" for r in records) == 3  # one noise window, 3 paths
     assert len({r["key"] for r in records}) == len(records)
 
 

@@ -71,7 +71,7 @@ def _config(tmp_path, **task):
 def test_scan_reuse_and_naive_give_the_same_numbers(tmp_path):
     path = _config(tmp_path)
     reuse = scan_command(str(path), quiet=True)["sensitivity"]
-    naive = scan_command(str(path), naive=True, quiet=True)["sensitivity"]
+    naive = scan_command(str(path), ["tasks[0].sensitivity.plots=false"], naive=True, quiet=True)["sensitivity"]
     assert reuse["mode"] == "reuse" and naive["mode"] == "naive"
     assert len(reuse["cells"]) == 4 * 2 * 2
     for a, b in zip(reuse["cells"], naive["cells"]):
@@ -96,7 +96,7 @@ def test_scan_reuse_and_naive_give_the_same_numbers(tmp_path):
 
 
 def test_scan_resumes_from_records(tmp_path):
-    path = _config(tmp_path, specs=["int4_g32"], tensors=["value"], layers="1-2")
+    path = _config(tmp_path, specs=["int4_g32"], tensors=["value"], layers="1-2", plots=False)
     first = scan_command(str(path), quiet=True)
     records = (tmp_path / "out" / "records.jsonl").read_text().splitlines()
     assert len(records) == 2 * (1 + 2)  # 2 windows x (baseline + 2 cells)
@@ -122,3 +122,18 @@ def test_scan_params_and_input_errors(tmp_path):
                     .replace(', "layers": "7"', ""))
     with pytest.raises(KvevalError, match="no 'sensitivity' task"):
         scan_command(str(path), quiet=True)
+
+
+def test_compare_matches_stats_compare_logits():
+    from kveval.stats import compare_logits
+    from kveval.tasks.sensitivity import baseline_terms, compare
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(20, 300, generator=g) * 3
+    logits = base + 0.3 * torch.randn(20, 300, generator=g)
+    targets = torch.randint(0, 300, (20,), generator=g)
+    ref = compare_logits(base, logits, targets)
+    got = compare(baseline_terms(base), logits, targets)
+    assert got["kld_sum"] == pytest.approx(float(ref["kld"].sum()), rel=1e-10)
+    assert got["nll_sum"] == pytest.approx(float(ref["nll"].sum()), rel=1e-12)
+    assert got["agree_sum"] == float(ref["agree"].sum())

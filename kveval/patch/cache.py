@@ -238,3 +238,20 @@ class QuantizedKVCache(Cache):
             for k, v in layer.nbytes().items():
                 total[k] += v
         return total
+
+
+@torch.no_grad()
+def decode_logits(model, input_ids: torch.Tensor, policy: KVPolicy, prefill_len: int = 1) -> torch.Tensor:
+    """Logits of token-by-token decoding through a real ``QuantizedKVCache``: ``prefill_len`` tokens in one call,
+    then one token per step. input_ids ``[batch, T]`` -> logits ``[batch, T, vocab]``.
+
+    The second computation path of the emulation contract: ``emulate(model, policy, prefill_len=P)`` gives the
+    same logits up to float rounding (with ``prefill_len`` 0 or 1 both mean "every token decoded").
+    """
+    cache = QuantizedKVCache(model, policy)
+    kw = cache_kwargs(model, cache)
+    first = max(prefill_len, 1)
+    out = [model(input_ids[:, :first], use_cache=True, **kw).logits]
+    for t in range(first, input_ids.shape[1]):
+        out.append(model(input_ids[:, t : t + 1], use_cache=True, **kw).logits)
+    return torch.cat(out, dim=1)

@@ -4,9 +4,29 @@
     res = load("results/int4_g64")        # RunResults: summary, positions, layers, needle, sensitivity, memory...
     plots.quality_vs_memory(res)          # a matplotlib Figure
     report_command(["results/int4_g64"])  # report.md, report.html, tables/*.csv, plots/*.png in the run folder
+
+The loader is imported eagerly (pandas, yaml); the plotting side lazily, so that loading results does not import
+matplotlib. (``kveval.report.load`` names the function ``load``; the module is ``sys.modules["kveval.report.load"]``.)
 """
 
-from kveval.report.load import RunResults, load, read_metrics
-from kveval.report.render import report_command, write_run_report
+from __future__ import annotations
 
-__all__ = ["RunResults", "load", "read_metrics", "report_command", "write_run_report"]
+import importlib
+
+from kveval.report.load import RunResults, load, read_metrics
+
+_EXPORTS = {
+    "report_command": "kveval.report.render",
+    "write_run_report": "kveval.report.render",
+}
+_MODULES = ("plots", "tables", "render", "synthetic")
+
+__all__ = ["RunResults", "load", "read_metrics", *_EXPORTS, *_MODULES]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(f"kveval.report.{name}")
+    raise AttributeError(f"module 'kveval.report' has no attribute {name!r}")

@@ -48,11 +48,30 @@ def _style(policies: Sequence[str]) -> dict[str, tuple[str, str]]:
     return out
 
 
-def save(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
-    """Write ``fig`` as a PNG (no software metadata, so that reruns give identical files)."""
+def save(fig: Figure, path: str | Path, dpi: int = DPI, palette: bool = True) -> Path:
+    """Write ``fig`` as a PNG (no software metadata, so that reruns give identical files).
+
+    ``palette``: store it with a 256-colour palette (Pillow, median cut): a plot has few colours, so this looks
+    the same and is about three times smaller, which keeps HTML reports and committed reference runs small.
+    """
+    import io
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, format="png", metadata={"Software": None})
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format="png", metadata={"Software": None})
+    data = buf.getvalue()
+    if palette:
+        try:
+            from PIL import Image
+
+            img = Image.open(io.BytesIO(data)).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+            out = io.BytesIO()
+            img.save(out, format="PNG", optimize=True)
+            data = out.getvalue() if out.tell() < len(data) else data
+        except Exception:  # Pillow missing or too old: the plain PNG
+            pass
+    path.write_bytes(data)
     return path
 
 
@@ -84,27 +103,90 @@ def _use_symlog(values: Sequence[float], scale: float) -> bool:
     return bool(vals) and max(vals) > 10 * max(scale, 1e-12)
 
 
-def _annotate(ax, points: list[tuple[float, float, str, str]], multi: bool) -> None:
-    """Name each point; points at the same spot share one label, labels of points stacked at the same x
-    alternate right and left so that they do not overprint."""
-    merged: dict[tuple[float, float], list[tuple[str, str]]] = {}
-    for x, y, pol, run in points:
-        merged.setdefault((round(float(x), 6), round(float(y), 9)), []).append((pol, run))
-    xs = [x for x, _ in merged]
-    span = (max(xs) - min(xs)) or 1.0
-    groups: dict[int, list] = {}
-    for (x, y), names in merged.items():
-        groups.setdefault(int(round(x / (0.04 * span))), []).append((x, y, names))
-    for group in groups.values():
-        for j, (x, y, names) in enumerate(sorted(group, key=lambda t: t[1])):
+def _symlog(ax, values: Sequence[float], linthresh: float) -> None:
+    """Linear up to the threshold, logarithmic beyond, with ticks at 1-2-5 multiples of the threshold."""
+    ax.set_yscale("symlog", linthresh=linthresh)
+    vals = [v for v in values if np.isfinite(v)]
+    hi, lo = max(vals + [0.0]), min(vals + [0.0])
+    ticks = {0.0, linthresh / 2, linthresh}
+    k = linthresh
+    while k < hi * 1.01:
+        ticks.update({2 * k, 5 * k, 10 * k})
+        k *= 10
+    ticks = {t for t in ticks if t <= max(hi * 1.3, linthresh)}
+    if lo < 0:
+        ticks.update(-t for t in list(ticks) if t <= max(-lo * 1.3, linthresh))
+    ax.set_yticks(sorted(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.yaxis.set_minor_locator(plt_null_locator())
+
+
+def _scale_note(ax) -> str:
+    if ax.get_yscale() == "symlog":
+        return f"\nlinear up to {ax.yaxis.get_transform().linthresh:g}, log above"
+    return ""
+
+
+def plt_null_locator():
+    from matplotlib.ticker import NullLocator
+
+    return NullLocator()
+
+
+_CANDIDATES = [(7, 4, "left", "bottom"), (7, -4, "left", "top"), (-7, 4, "right", "bottom"),
+               (-7, -4, "right", "top"), (0, 9, "center", "bottom"), (0, -9, "center", "top"),
+               (10, 14, "left", "bottom"), (10, -14, "left", "top"), (-10, 14, "right", "bottom"),
+               (-10, -14, "right", "top"), (0, 20, "center", "bottom"), (0, -20, "center", "top")]
+
+
+def _place_labels(fig: Figure, jobs: list, multi: bool) -> None:
+    """Name each point without overprinting: points at the same spot share one label; each label takes the
+    first position around its point (right, left, above, below, then further out) that overlaps no other
+    label, marker or legend and stays inside the axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import Bbox
+
+    if not hasattr(fig.canvas, "get_renderer"):
+        FigureCanvasAgg(fig)
+    fig.canvas.draw()  # final layout and scales, so that display coordinates are right
+    renderer = fig.canvas.get_renderer()
+    for ax, points in jobs:
+        merged: dict[tuple[float, float], list[tuple[str, str]]] = {}
+        for x, y, pol, run in points:
+            merged.setdefault((float(x), float(y)), []).append((pol, run))
+        items = []
+        for (x, y), names in merged.items():
             if multi:
                 pols = list(dict.fromkeys(p for p, _ in names))
                 text = "; ".join(f"{p} ({', '.join(r for q, r in names if q == p)})" for p in pols)
             else:
                 text = ", ".join(p for p, _ in names)
-            right = j % 2 == 0
-            ax.annotate(text, (x, y), xytext=(7 if right else -7, 4), textcoords="offset points", fontsize=8,
-                        ha="left" if right else "right")
+            items.append((x, y, text, ax.transData.transform((x, y))))
+        pad = 6 * fig.dpi / 72
+        markers = [Bbox.from_bounds(d[0] - pad, d[1] - pad, 2 * pad, 2 * pad) for *_, d in items]
+        taken = []
+        legend = ax.get_legend()
+        if legend is not None:
+            taken.append(legend.get_window_extent(renderer))
+        for i, (x, y, text, _d) in enumerate(items):
+            others = taken + [m for j, m in enumerate(markers) if j != i]
+            chosen = None
+            for dx, dy, ha, va in _CANDIDATES:
+                ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=8,
+                                  ha=ha, va=va)
+                ann.set_in_layout(False)
+                bb = ann.get_window_extent(renderer)
+                inside = (bb.x0 >= ax.bbox.x0 and bb.x1 <= ax.bbox.x1 and bb.y0 >= ax.bbox.y0
+                          and bb.y1 <= ax.bbox.y1)
+                if inside and not any(bb.overlaps(o) for o in others):
+                    chosen = (ann, bb)
+                    break
+                ann.remove()
+            if chosen is None:  # crowded: the first position, accepted as is
+                ann = ax.annotate(text, (x, y), xytext=(7, 4), textcoords="offset points", fontsize=8)
+                ann.set_in_layout(False)
+                chosen = (ann, ann.get_window_extent(renderer))
+            taken.append(chosen[1])
 
 
 def _log_ok(values: Sequence[float]) -> bool:
@@ -133,6 +215,7 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
     ax_p, ax_k = fig.subplots(1, 2)
     style = _style(list(df["policy"]))
     run_names = list(dict.fromkeys(df["run"]))
+    jobs = []
     for ax, col, label in ((ax_p, "delta_ppl_pct", "ΔPPL vs FP16 baseline (%)"),
                            (ax_k, "kld_mean", "KL divergence from baseline (nats/token)")):
         sub = df if col == "delta_ppl_pct" else df[(df["policy"] != BASELINE) & df[col].notna()]
@@ -152,7 +235,7 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
             ax.errorbar(row["bytes_per_token"] / KIB, row[col], yerr=yerr, fmt=m, color=c, ms=8, mec="black",
                         mew=0.6, capsize=3, zorder=3)
             labels.append((row["bytes_per_token"] / KIB, row[col], row["policy"], row["run"]))
-        _annotate(ax, labels, multi)
+        jobs.append((ax, labels))
         front = pareto_front(list(sub["bytes_per_token"]), list(sub[col]))
         if len(front) > 1:
             fx = [sub["bytes_per_token"].iloc[i] / KIB for i in front]
@@ -174,14 +257,13 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
             if _log_ok(vals):
                 ax.set_yscale("log")
         elif _use_symlog(vals, max(thrs) if thrs else 1.0):
-            ax.set_yscale("symlog", linthresh=max(thrs) if thrs else 1.0)
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+            _symlog(ax, vals, max(thrs) if thrs else 1.0)
         ax.set_xlabel("KV cache per token (KiB; all layers, K+V, scales included)")
-        ax.set_ylabel(label)
+        ax.set_ylabel(label + _scale_note(ax))
         ax.grid(True, alpha=0.3)
         ax.margins(x=0.15, y=0.12)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="upper right")
+            ax.legend(fontsize=8, loc="best")
     if multi:  # one legend entry per run
         from matplotlib.lines import Line2D
 
@@ -191,6 +273,7 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
                    title="run")
     title = runs[0].name if not multi else ", ".join(run_names)
     fig.suptitle(f"Quality vs memory: {title} (lower left is better)")
+    _place_labels(fig, jobs, multi)
     return fig
 
 
@@ -224,9 +307,9 @@ def policy_bars(res: RunResults) -> Figure | None:
         ax_p.annotate(f"{v:+.2f}%", (xi, v), xytext=(0, 3 if v >= 0 else -11), textcoords="offset points",
                       ha="center", fontsize=8)
     if _use_symlog(list(df["delta_ppl_pct"]), thr or 1.0):
-        ax_p.set_yscale("symlog", linthresh=thr or 1.0)
-        ax_p.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-    ax_p.set_ylabel("ΔPPL vs FP16 baseline (%)")
+        _symlog(ax_p, list(df["delta_ppl_pct"]), thr or 1.0)
+    ax_p.margins(y=0.12)
+    ax_p.set_ylabel("ΔPPL vs FP16 baseline (%)" + _scale_note(ax_p))
     ax_p.set_title("Perplexity increase")
     ax_k.set_title("KL divergence, 95% CI")
     kd = df[df["kld_mean"].notna()]
@@ -244,6 +327,7 @@ def policy_bars(res: RunResults) -> Figure | None:
         if _log_ok(list(kd["kld_mean"])):
             ax_k.set_yscale("log")
     ax_k.set_ylabel("mean KLD (nats/token)")
+    ax_k.margins(y=0.1)
     from matplotlib.patches import Patch
 
     legend = [Patch(facecolor=c, edgecolor="black", hatch="//" if v == "fail" else "", label=v)
@@ -267,7 +351,7 @@ def by_position(res: RunResults) -> Figure | None:
     if pos.empty:
         return None
     style = _style([BASELINE, *res.policies])
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    fig = Figure(figsize=(11, 4.7), layout="constrained")
     ax_l, ax_k = fig.subplots(1, 2)
     for i, (pname, g) in enumerate(pos.groupby("policy", sort=False)):
         c, m = style.get(pname, (color(i), marker(i)))
@@ -285,8 +369,9 @@ def by_position(res: RunResults) -> Figure | None:
     for ax in (ax_l, ax_k):
         ax.set_xlabel("token position in the window (bin centre)")
         ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+    handles, labels = ax_l.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 7), fontsize=8)
     fig.suptitle(f"{res.name}: error by token position")
     return fig
 
@@ -338,7 +423,7 @@ def layer_errors(res: RunResults) -> Figure | None:
     if lay.empty or "key_rel_mse" not in lay:
         return None
     style = _style([BASELINE, *res.policies])
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    fig = Figure(figsize=(11, 4.7), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     for ax, tensor in zip(axes, ("key", "value")):
         col = f"{tensor}_rel_mse"
@@ -351,7 +436,9 @@ def layer_errors(res: RunResults) -> Figure | None:
         ax.set_title(f"{'Keys' if tensor == 'key' else 'Values'}")
         ax.set_xlabel("layer")
         ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 7), fontsize=8)
     vals = pd.concat([lay[c] for c in ("key_rel_mse", "value_rel_mse") if c in lay])
     if (vals.dropna() > 0).all() and len(vals.dropna()):
         axes[0].set_yscale("log")
@@ -517,8 +604,8 @@ RUN_PLOTS = {
     "by_position": by_position,
     "memory": memory_bars,
     "layer_errors": layer_errors,
-    "needle": needle_heatmaps,
-    "sensitivity": sensitivity_heatmap,
+    "needle_grid": needle_heatmaps,
+    "sensitivity_grid": sensitivity_heatmap,
     "bits_per_layer": bits_per_layer,
 }
 

@@ -33,9 +33,10 @@ CAPTIONS = {
     "by_position": "Damage by token position inside the evaluation window: loss increase over the baseline and "
                    "KLD per position bin.",
     "memory": "KV-cache bytes per token, split into codes, scales (+ zero points) and full-precision tokens.",
-    "layer_errors": "Relative reconstruction error of keys and values per layer (log scale).",
-    "needle": "Needle retrieval accuracy by context length and needle depth, and its difference from the baseline.",
-    "sensitivity": "Per-layer sensitivity: KLD when only one layer's keys or values are quantized.",
+    "layer_errors": "Relative reconstruction error of keys and values per layer (log scale); policies that "
+                    "share a spec for a tensor draw the same line there (one hides the other).",
+    "needle_grid": "Needle retrieval accuracy by context length and needle depth, and its difference from the baseline.",
+    "sensitivity_grid": "Per-layer sensitivity: KLD when only one layer's keys or values are quantized.",
     "bits_per_layer": "Bits per layer of the mixed-precision policies.",
 }
 
@@ -155,17 +156,28 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
                 b.append(Block("table", worst, caption="Worst layers per policy (largest relative MSE)"))
     b.append(Block("h", "Environment and reproduction", sub))
     b.append(Block("table", _env_table(r), caption="Environment of the run"))
-    cmd = r.env.get("command") or (" ".join(r.env["argv"]) if r.env.get("argv") else None)
+    cmd = reproduce_command(r.env)
     lines = [f"# rerun (results into {r.path})", cmd or "# (the run's command was not recorded)",
              "# rebuild this report", f"kveval report {r.path}"]
     b.append(Block("code", "\n".join(lines)))
     return b
 
 
+def reproduce_command(env: dict) -> str | None:
+    """The command that made the run, overrides included: ``argv`` with the program shown as ``kveval``
+    (else env.json's ``command``)."""
+    import shlex
+
+    argv = env.get("argv")
+    if isinstance(argv, list) and len(argv) > 1 and Path(str(argv[0])).name in ("kveval", "__main__.py"):
+        return "kveval " + shlex.join(str(a) for a in argv[1:])
+    return env.get("command")
+
+
 def _plot_title(stem: str) -> str:
     return {"quality_vs_memory": "Quality vs memory", "policy_quality": "Quality per policy",
             "by_position": "By token position", "memory": "Memory", "layer_errors": "Per-layer K/V error",
-            "needle": "Needle in a haystack", "sensitivity": "Layer × K/V sensitivity",
+            "needle_grid": "Needle in a haystack", "sensitivity_grid": "Layer × K/V sensitivity",
             "bits_per_layer": "Bits per layer"}.get(stem, stem)
 
 
@@ -209,8 +221,7 @@ def _overview(r: RunResults) -> list[str]:
     if not r.memory.empty:
         items.append(f"Memory figures at {int(r.memory['context'].iloc[0])} tokens of context"
                      + (f", GPU memory {mem['gpu_memory']}" if mem.get("gpu_memory") else ""))
-    items.append("Policies: " + "; ".join(f"{p}: {s}" if s else p for p, s in
-                                          zip(r.summary["policy"][1:], r.summary["spec"][1:])))
+    items.append("Policies: " + ", ".join(r.policies) + " (specifications in the verdict table)")
     when = _duration(r.env)
     if when:
         items.append(when)

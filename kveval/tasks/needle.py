@@ -39,7 +39,7 @@ from kveval.needle_prompts import (
     split_sentences,
     trial_rng,
 )
-from kveval.patch import QuantizedKVCache, emulate
+from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
 from kveval.schema import Strict
 
 BASELINE = "baseline"
@@ -177,7 +177,7 @@ def generate_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int
         pad_token_id=model.generation_config.pad_token_id or tokenizer.pad_token_id or tokenizer.eos_token_id,
     )
     if policy is not None:
-        kwargs["past_key_values"] = QuantizedKVCache(model, policy)
+        kwargs.update(cache_kwargs(model, QuantizedKVCache(model, policy)))
     with torch.no_grad():
         out = model.generate(ids, **kwargs)
     return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)

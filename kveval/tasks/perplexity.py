@@ -16,7 +16,8 @@ from pydantic import Field, model_validator
 from kveval.data import token_windows
 from kveval.errors import KvevalError
 from kveval.models import model_context_limit
-from kveval.patch import emulate
+from kveval.patch import decode_logits, emulate
+from kveval.policy import KVPolicy
 from kveval.schema import Strict
 from kveval.stats import bin_sums, bootstrap_ratio_ci, compare_logits
 
@@ -34,6 +35,7 @@ class Params(Strict):
     position_bins: int = Field(8, gt=0)
     bootstrap: int = Field(1000, ge=0)
     diagnostics: bool = True
+    noise_windows: int = Field(1, ge=0)
 
     @model_validator(mode="after")
     def _stride_fits(self):
@@ -46,6 +48,10 @@ class Params(Strict):
 
 def _record_key(window: int, policy: str) -> str:
     return f"perplexity/w{window}/{policy}"
+
+
+def _noise_key(window: int, policy: str) -> str:
+    return f"perplexity/noise/w{window}/{policy}"
 
 
 def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, params: Params) -> dict:
@@ -121,7 +127,58 @@ def run(ctx, params: Params) -> dict:
                     rec["layer_errors"] = diag
                 ctx.run.append(rec)
                 advance(len(ids))
+    _noise_floor(ctx, params, windows[: params.noise_windows], names)
     return aggregate(ctx.run.records(), list(ctx.policies), params, seed=ctx.cfg.seed, threshold=ctx.cfg.threshold)
+
+
+def _noise_floor(ctx, params: Params, windows: list, names: list[str]) -> None:
+    """The path noise: the same semantics computed a second way (token-by-token decoding through the real cache)
+    on the first ``noise_windows`` windows, for every policy and for the FP baseline (single pass vs decoding)."""
+    done = ctx.run.done_keys()
+    todo = [(w, n) for w in windows for n in names if _noise_key(w.index, n) not in done]
+    if not todo:
+        return
+    model = ctx.model
+    with ctx.progress.task("noise floor (decoding)", total=len(todo), unit="tok") as advance:
+        for w, name in todo:
+            ids = w.input_ids.to(model.device)[None]
+            policy = KVPolicy.preset("fp16") if name == BASELINE else ctx.policies[name]
+            prefill = max(params.prefill_tokens, 1)
+            with torch.no_grad():
+                if name == BASELINE:
+                    single = model(ids).logits[0, :-1].float()
+                else:
+                    with emulate(model, policy, prefill_len=params.prefill_tokens):
+                        single = model(ids).logits[0, :-1].float()
+            decoded = decode_logits(model, ids, policy, prefill_len=prefill)[0, :-1].float()
+            scored = torch.arange(w.score_from - 1, ids.shape[1] - 1, device=ids.device)
+            tgt = ids[0, 1:][scored]
+            a = compare_logits(single[scored], single[scored], tgt)
+            b = compare_logits(single[scored], decoded[scored], tgt)
+            ctx.run.append({
+                "key": _noise_key(w.index, name), "task": "perplexity_noise", "window": w.index, "policy": name,
+                "n_tokens": int(scored.numel()), "nll_single": float(a["nll"].sum()),
+                "nll_decoded": float(b["nll"].sum()), "kld_paths": float(b["kld"].sum()),
+                "max_abs_logit_gap": float((single[scored] - decoded[scored]).abs().max()),
+            })
+            advance(ids.shape[1])
+
+
+def _noise_summary(records: list[dict]) -> dict:
+    """``noise_floor_ppl_pct`` = |PPL(single pass) - PPL(decoded)| / PPL(single pass) in %, and ``noise_floor_kld``
+    = mean KL(single pass || decoded), over the noise windows."""
+    if not records:
+        return {}
+    n = sum(r["n_tokens"] for r in records)
+    ppl_single = math.exp(sum(r["nll_single"] for r in records) / n)
+    ppl_decoded = math.exp(sum(r["nll_decoded"] for r in records) / n)
+    return {
+        "noise_floor_ppl_pct": 100.0 * abs(ppl_decoded - ppl_single) / ppl_single,
+        "noise_floor_kld": sum(r["kld_paths"] for r in records) / n,
+        "noise_ppl_decoded": ppl_decoded,
+        "noise_tokens": n,
+        "noise_max_abs_logit_gap": max(r["max_abs_logit_gap"] for r in records),
+    }
 
 
 def _layer_summary(records: list[dict]) -> list[dict]:
@@ -180,13 +237,29 @@ def _summarise(records: list[dict], params: Params, seed: int) -> dict:
     return out
 
 
+def verdict(s: dict, threshold) -> str:
+    """``within_noise`` when |ΔPPL %| is below the path noise floor (or the KLD below the KLD floor); otherwise
+    ``pass`` / ``fail`` against the threshold."""
+    floor_ppl, floor_kld = s.get("noise_floor_ppl_pct"), s.get("noise_floor_kld")
+    if floor_ppl is not None and (abs(s["delta_ppl_pct"]) < floor_ppl or s["kld_mean"] < floor_kld):
+        return "within_noise"
+    ok = s["delta_ppl_pct"] <= threshold.delta_ppl_pct
+    if threshold.kld is not None:
+        ok = ok and s["kld_mean"] <= threshold.kld
+    return "pass" if ok else "fail"
+
+
 def aggregate(records: list[dict], policies: list[str], params: Params, *, seed: int, threshold) -> dict:
     """metrics.json's perplexity fields from the records (pure: the same records give the same metrics)."""
     by_policy: dict[str, list[dict]] = {}
+    noise: dict[str, list[dict]] = {}
     for rec in records:
         if rec.get("task") == "perplexity":
             by_policy.setdefault(rec["policy"], []).append(rec)
+        elif rec.get("task") == "perplexity_noise":
+            noise.setdefault(rec["policy"], []).append(rec)
     base = _summarise(by_policy[BASELINE], params, seed)
+    base.update(_noise_summary(noise.get(BASELINE, [])))
     for k in ("kld_mean", "kld_ci95", "top1_agree", "kld_by_position"):
         base.pop(k, None)
     out = {"baseline": base, "policies": {}}
@@ -194,9 +267,7 @@ def aggregate(records: list[dict], policies: list[str], params: Params, *, seed:
         s = _summarise(by_policy[name], params, seed)
         s["delta_ppl"] = s["ppl"] - base["ppl"]
         s["delta_ppl_pct"] = 100.0 * s["delta_ppl"] / base["ppl"]
-        ok = s["delta_ppl_pct"] <= threshold.delta_ppl_pct
-        if threshold.kld is not None:
-            ok = ok and s["kld_mean"] <= threshold.kld
-        s["verdict"] = "pass" if ok else "fail"
+        s.update(_noise_summary(noise.get(name, [])))
+        s["verdict"] = verdict(s, threshold)
         out["policies"][name] = s
     return out

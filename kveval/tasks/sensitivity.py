@@ -34,7 +34,7 @@ class Params(Strict):
 
     specs: list[str] = Field(default_factory=lambda: ["int4_g64", "int2_g32"], min_length=1)
     tensors: list[Literal["key", "value"]] = Field(default_factory=lambda: ["key", "value"], min_length=1)
-    layers: str = "all"
+    layers: str | int = "all"
     seq_len: int = Field(256, gt=1)
     max_tokens: int | None = Field(512, gt=0)
     naive: bool = False
@@ -73,13 +73,25 @@ def check(ctx, params: Params) -> None:
         check_reusable(ctx.model)
 
 
-def _compare(base_logp, base_p, logits, targets) -> dict:
-    """Sums over positions of KL(P_base || P), NLL and top-1 agreement (the maths of ``stats.compare_logits``,
-    with the baseline's log-softmax computed once per window)."""
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    kld = (base_p * (base_logp - logp)).sum(-1).clamp(min=0.0)
-    nll = -logp.gather(-1, targets[:, None]).squeeze(-1)
-    agree = (base_logp.argmax(-1) == logp.argmax(-1)).double()
+def baseline_terms(base_logits: torch.Tensor) -> dict:
+    """What every cell of a window compares against, computed once: p_base ``[n, vocab]`` (float64),
+    Σ_v p_base log p_base ``[n]`` and the baseline's argmax ``[n]``."""
+    logp = torch.log_softmax(base_logits.double(), dim=-1)
+    p = logp.exp()
+    return {"p": p, "neg_entropy": torch.linalg.vecdot(p, logp), "argmax": base_logits.argmax(-1)}
+
+
+def compare(base: dict, logits: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Sums over positions of KL(P_base || P), NLL and top-1 agreement; logits ``[n, vocab]``, targets ``[n]``.
+
+    The maths of ``stats.compare_logits`` in float64, rearranged so that a cell costs one log-sum-exp and one
+    dot product: with log p = z - lse(z), KL = Σ p_base log p_base - Σ p_base z + lse(z).
+    """
+    z = logits.double()
+    lse = torch.logsumexp(z, dim=-1)
+    kld = (base["neg_entropy"] - torch.linalg.vecdot(base["p"], z) + lse).clamp(min=0.0)
+    nll = lse - z.gather(-1, targets[:, None]).squeeze(-1)
+    agree = logits.argmax(-1) == base["argmax"]
     return {"kld_sum": float(kld.sum()), "nll_sum": float(nll.sum()), "agree_sum": float(agree.sum())}
 
 
@@ -103,21 +115,20 @@ def run(ctx, params: Params) -> dict:
             prefix = baseline_prefix(model, ids, capture=not params.naive)
             sl = w.logits_slice
             targets = ids[0, w.score_from:]
-            base_logp = torch.log_softmax(prefix.logits[0, sl].double(), dim=-1)
-            base_p = base_logp.exp()
+            base = baseline_terms(prefix.logits[0, sl])
             if not params.naive and not verified:
                 verify_replay(model, prefix)
                 verified = True
             if _key(w.index) not in done:
-                base = _compare(base_logp, base_p, prefix.logits[0, sl], targets)
+                fp = compare(base, prefix.logits[0, sl], targets)
                 ctx.run.append({"key": _key(w.index), "task": NAME, "window": w.index, "n_tokens": w.n_scored,
-                                "nll_sum": base["nll_sum"]})
+                                "nll_sum": fp["nll_sum"]})
             for layer, tensor, spec in cs:
                 policy = cell_policy(layer, tensor, spec)
                 logits = naive_logits(model, ids, policy) if params.naive else replay(model, prefix, layer, policy)
                 rec = {"key": _key(w.index, (layer, tensor, spec)), "task": NAME, "window": w.index,
                        "layer": layer, "tensor": tensor, "spec": spec, "n_tokens": w.n_scored, "mode": mode}
-                rec.update(_compare(base_logp, base_p, logits[0, sl], targets))
+                rec.update(compare(base, logits[0, sl], targets))
                 ctx.run.append(rec)
                 advance(1)
     out = aggregate(ctx.run.records(), params)
