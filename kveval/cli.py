@@ -100,6 +100,19 @@ def memory(
     ), end="")
 
 
+@app.command()
+@user_errors
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Results folders (one or several runs).")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (default: the run, or reports/DATE).")] = None,
+):
+    """Tables, plots and a self-contained HTML/Markdown report of one or several runs."""
+    from kveval.report import report_command
+
+    folder = report_command([str(d) for d in run_dirs], str(out) if out else None)
+    print(f"report: {folder / 'report.html'}")
+
+
 @app.command("ls")
 @user_errors
 def list_things():

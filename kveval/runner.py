@@ -110,6 +110,9 @@ def run_experiment(
     merge(metrics, memory_fields(ctx))
     run.write_metrics(metrics)
     run.write_env(env, started=started, finished=now())
+    from kveval.report import write_run_report
+
+    write_run_report(run.path)
     console.print(summary_table(metrics, cfg))
     console.print(f"results: {run.path}/")
     return metrics

@@ -181,3 +181,10 @@ def test_default_out_for_several_runs(tmp_path, monkeypatch):
 def test_no_runs_is_an_error():
     with pytest.raises(KvevalError):
         report_command([])
+
+
+def test_unfinished_run_says_so(tmp_path):
+    run = write_synthetic_run(tmp_path / "half", policies=("int8",))
+    (run / "metrics.json").unlink()
+    with pytest.raises(KvevalError, match="unfinished"):
+        report_command([run])

@@ -114,6 +114,9 @@ def read_metrics(run_dir: Path) -> dict:
     if not run_dir.is_dir():
         raise KvevalError(f"{run_dir} is not a folder; give a kveval results folder (results/<run>)")
     if not path.exists():
+        if (run_dir / RECORDS_FILE).exists() or (run_dir / CONFIG_FILE).exists():
+            raise KvevalError(f"{run_dir} has no {METRICS_FILE} yet: its run is unfinished or was interrupted; "
+                              "rerun its command to resume and finish it")
         raise KvevalError(f"{path} does not exist; is {run_dir} a kveval results folder?")
     metrics = _read_json(path, "metrics")
     if not isinstance(metrics, dict) or not isinstance(metrics.get("policies", {}), dict):
