@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kveval.config import load_config, task_presets, validate
+from kveval.config import TASK_TYPES, load_config, task_presets, validate
 from kveval.errors import KvevalError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +114,7 @@ def test_every_shipped_config_validates(path):
 @pytest.mark.parametrize("name", sorted(task_presets()))
 def test_every_task_preset_loads(name):
     cfg = validate(base(tasks=[name]))
-    assert cfg.tasks[0].kind in ("perplexity",)
+    assert cfg.tasks[0].kind in TASK_TYPES
 
 
 def test_task_preset_with_overrides():

@@ -212,8 +212,8 @@ def test_run_records_metrics_plots_and_resume(tmp_path, monkeypatch):
         assert [(c["context"], c["depth"]) for c in entry["needle_cells"]] == [(400, 0.0), (400, 1.0)]
     assert "needle_lost" in metrics["policies"]["int2_g32"]
     assert metrics["policies"]["int2_g32"]["bytes_per_token"] > 0  # memory bill sized from the needle context
-    plots = sorted(p.name for p in (out / "plots").iterdir())
-    assert plots == ["needle_baseline.png", "needle_int2_g32.png", "needle_int2_g32_diff.png"]
+    plots = {p.name for p in (out / "plots").iterdir()}  # the report adds its own beside them
+    assert {"needle_baseline.png", "needle_int2_g32.png", "needle_int2_g32_diff.png"} <= plots
 
     # resume: nothing is recomputed when everything is recorded; a lost record is recomputed alone
     calls = []
