@@ -63,6 +63,36 @@ def run(
 
 @app.command()
 @user_errors
+def scan(
+    config: Annotated[Path, typer.Argument(help="Config with a sensitivity task (e.g. configs/layer_scan.yaml).")],
+    overrides: OverrideOpt = None,
+    naive: Annotated[bool, typer.Option(help="Recompute every layer for every cell (no prefix reuse), for checking.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace a results folder that holds a different config.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
+):
+    """Per-layer, per-K/V sensitivity: quantize one tensor at a time, measure KLD and ΔPPL against FP."""
+    from kveval.scan import scan_command
+
+    scan_command(str(config), overrides, naive=naive, overwrite=overwrite, quiet=quiet)
+
+
+@app.command()
+@user_errors
+def plan(
+    scan_dir: Annotated[Path, typer.Argument(help="Results folder of a scan.")],
+    budget: Annotated[str, typer.Option(help="4.5 (bits/element), 35KiB/token, 0.28x or 28% of FP16, or a preset (int4_g64).")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Config to write (default configs/generated/...).")] = None,
+    context: Annotated[int | None, typer.Option(help="Context for the memory bill (default: the scan's seq_len).")] = None,
+    allow_fp: Annotated[bool, typer.Option(help="Allow full precision (none) as a per-layer choice.")] = False,
+):
+    """Mixed precision under a memory budget, from a scan: writes a ready-to-run config."""
+    from kveval.planner import plan_command
+
+    plan_command(str(scan_dir), budget, str(out) if out else None, context=context, allow_fp=allow_fp)
+
+
+@app.command()
+@user_errors
 def validate(
     config: Annotated[Path, typer.Argument(help="Experiment config (YAML).")],
     overrides: OverrideOpt = None,
