@@ -91,6 +91,24 @@ def plan(
     plan_command(str(scan_dir), budget, str(out) if out else None, context=context, allow_fp=allow_fp)
 
 
+@app.command(
+    "lm-eval",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+@user_errors
+def lm_eval(
+    ctx: typer.Context,
+    kv: Annotated[str, typer.Option(help="KV policy: a preset name or a policy file (.yaml/.json).")] = "fp16",
+    model: Annotated[str, typer.Option(help="Model, as in configs.")] = "builtin:smollm2-135m",
+    dtype: Annotated[str, typer.Option(help="float32, float64, bfloat16 or float16.")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
+):
+    """Run lm-evaluation-harness with a KV policy: kveval lm-eval --kv int4_g64 -- --tasks ... --limit ..."""
+    from kveval.lmeval_bridge import lm_eval_command
+
+    raise typer.Exit(lm_eval_command(kv, model, dtype, device, list(ctx.args)))
+
+
 @app.command()
 @user_errors
 def validate(

@@ -126,7 +126,7 @@ def memory_fields(ctx: RunContext) -> dict:
 
     arch = Arch.from_model(ctx.model)
     lengths = [getattr(t.params, "seq_len", 0) for t in ctx.cfg.tasks]
-    context = ctx.cfg.memory.context or max(lengths + [1])
+    context = ctx.cfg.memory.context or max(lengths) or 2048
     gpu = ctx.cfg.memory.gpu_memory
     out = {"memory": {"arch": arch.to_dict(), "context": context, "gpu_memory": gpu}, "policies": {}}
     out["baseline"] = policy_memory_fields(arch, "fp16", context, gpu)

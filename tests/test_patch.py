@@ -203,3 +203,21 @@ def test_builtin_model_emulation_matches_decoding(name, builtin_model64):
     assert (emulated - baseline).abs().max() > 0.1, "the policy changes the logits"
     torch.testing.assert_close(emulated, decoded, rtol=0, atol=1e-5)
     assert cache.get_seq_length() == 256
+
+
+@pytest.mark.parametrize("name", ["int4_g32", "kivi2", "q4_0", "fp8_e4m3", "int3_g64"])
+def test_cache_reads_equal_a_fresh_dequantization_of_the_packed_storage(name, tiny_llama):
+    model, _ = tiny_llama
+    policy = KVPolicy.preset(name) if name != "kivi2" else replace_residual(KVPolicy.preset("kivi2"), 8)
+    if name == "int3_g64":
+        policy = KVPolicy.from_config({"spec": {"format": "int", "bits": 3, "mapping": "asymmetric", "granularity": "group", "group_size": 32}})
+    _, cache = decoded_logits(model, ids_for(model, 30), policy)
+    for layer in cache.layers:
+        for chunk in (*layer.chunks_k, *layer.chunks_v):
+            assert torch.equal(chunk.read(), chunk.read_storage())
+
+
+def replace_residual(policy, residual):
+    from dataclasses import replace
+
+    return replace(policy, residual=residual)

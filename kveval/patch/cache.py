@@ -32,11 +32,17 @@ from kveval.quant import QuantizedTensor, QuantSpec, dequantize, pack, quantize,
 
 @dataclass
 class StoredChunk:
-    """A run of quantized tokens: packed codes plus the QuantizedTensor's scales/zero points."""
+    """A run of quantized tokens: packed codes plus the QuantizedTensor's scales/zero points.
+
+    ``decoded`` holds the values read back from that storage (unpacked and dequantized once, when the tokens are
+    stored: a decode step then costs O(new tokens), not O(context)); a kernel would dequantize on every read and
+    get the same numbers. It is a compute cache, not counted in ``nbytes``.
+    """
 
     qt: QuantizedTensor
     packed: torch.Tensor | None  # uint8 rows along head_dim, None when the codes are stored as they are (FP8)
     n_codes: int
+    decoded: torch.Tensor | None = None
 
     @classmethod
     def store(cls, x: torch.Tensor, spec: QuantSpec, channel_block: int | None) -> StoredChunk:
@@ -44,9 +50,12 @@ class StoredChunk:
         if qt.codes.dtype in (torch.int8, torch.uint8) and spec.format == "int" and spec.bits < 8:
             n = qt.codes.shape[-1]
             packed = pack(qt.codes, spec.bits)
-            qt = QuantizedTensor(**{**qt.__dict__, "codes": torch.empty(0, dtype=qt.codes.dtype)})
-            return cls(qt=qt, packed=packed, n_codes=n)
-        return cls(qt=qt, packed=None, n_codes=qt.codes.shape[-1])
+            qt = QuantizedTensor(**{**qt.__dict__, "codes": torch.empty(0, dtype=qt.codes.dtype)})  # dtype kept: signedness
+            chunk = cls(qt=qt, packed=packed, n_codes=n)
+        else:
+            chunk = cls(qt=qt, packed=None, n_codes=qt.codes.shape[-1])
+        chunk.decoded = chunk.read_storage()
+        return chunk
 
     def extend(self, other: StoredChunk) -> StoredChunk:
         """One chunk holding this chunk's tokens followed by ``other``'s (so that a read is one dequantize call).
@@ -68,13 +77,18 @@ class StoredChunk:
             "scale": cat(a.scale, b.scale), "zero_point": cat(a.zero_point, b.zero_point), "shape": shape,
         })
         packed = None if self.packed is None else torch.cat([self.packed, other.packed], dim=2)
-        return StoredChunk(qt=qt, packed=packed, n_codes=self.n_codes)
+        return StoredChunk(qt=qt, packed=packed, n_codes=self.n_codes,
+                           decoded=torch.cat([self.decoded, other.decoded], dim=2))
 
-    def read(self) -> torch.Tensor:
+    def read_storage(self) -> torch.Tensor:
+        """Unpack and dequantize everything stored: ``[batch, kv_heads, tokens, head_dim]``."""
         if self.packed is None:
             return dequantize(self.qt)
         codes = unpack(self.packed, self.qt.spec.bits, self.n_codes, signed=self.qt.codes.dtype == torch.int8)
         return dequantize(QuantizedTensor(**{**self.qt.__dict__, "codes": codes}))
+
+    def read(self) -> torch.Tensor:
+        return self.decoded
 
     def nbytes(self) -> dict:
         """Bytes held: the packed code bytes as stored, plus scales and zero points in their storage dtype."""
