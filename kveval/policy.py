@@ -253,6 +253,10 @@ class KVPolicy:
             extra.append(f"{len(self.layers)} layer override(s)")
         return ", ".join([kv, *extra])
 
+    def has_full_precision_tokens(self, prefill_len: int = 0) -> bool:
+        """Whether any query sees any earlier-or-same token in full precision (else every read is quantized)."""
+        return self.residual > 0 or self.sink_tokens > 0 or (prefill_len > 0 and self.prefill == "fp")
+
     def full_precision_mask(
         self, q_len: int, kv_len: int, prefill_len: int = 0, device: torch.device | str = "cpu"
     ) -> torch.Tensor:

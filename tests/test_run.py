@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny_config(out: Path, **ppl) -> dict:
-    params = {"seq_len": 64, "max_tokens": 640, "bootstrap": 200, **ppl}
+    params = {"seq_len": 64, "max_tokens": 640, "bootstrap": 200, "noise_windows": 1, **ppl}
     return {
         "name": "tiny",
         "model": "builtin:tiny-llama",
@@ -110,7 +110,7 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     records = tmp_path / "killed" / "records.jsonl"
-    deadline = time.time() + 120
+    deadline = time.time() + 600
     while time.time() < deadline:
         if records.exists() and records.read_text().count("\n") >= 30:
             break

@@ -65,19 +65,20 @@ class LayerEmulation:
     calls: int = 0
     key_stats: TensorErrorStats = field(default_factory=TensorErrorStats)
     value_stats: TensorErrorStats = field(default_factory=TensorErrorStats)
-    _mask_cache: dict = field(default_factory=dict)
+    mask_cache: dict = field(default_factory=dict)  # shared by the layers of one emulate() call
 
     @property
     def quantizes(self) -> bool:
         return not (self.key_spec.is_none and self.value_spec.is_none)
 
     def visibility(self, T: int, device) -> torch.Tensor:
-        """``M [T, T]``: True where query t sees token j in full precision (cached per length)."""
+        """``M [T, T]``: True where query t sees token j (<= t) in full precision; cached per length."""
         key = (T, str(device))
-        if key not in self._mask_cache:
-            self._mask_cache.clear()
-            self._mask_cache[key] = self.policy.full_precision_mask(T, T, self.prefill_len, device=device)
-        return self._mask_cache[key]
+        if key not in self.mask_cache:
+            self.mask_cache.clear()
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            self.mask_cache[key] = self.policy.full_precision_mask(T, T, self.prefill_len, device=device) & causal
+        return self.mask_cache[key]
 
     def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
         self.calls += 1
@@ -94,11 +95,10 @@ class LayerEmulation:
         if self.diagnostics:
             self.key_stats.update(key, k_hat)
             self.value_stats.update(value, v_hat)
+        if not self.policy.has_full_precision_tokens(self.prefill_len):
+            return stock(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
         allowed = attn.allowed_mask(attention_mask, T, T, key.device)
         fp = self.visibility(T, key.device)
-        causal = torch.ones(T, T, dtype=torch.bool, device=key.device).tril()
-        if not bool((fp & causal).any()):
-            return stock(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
         mask = torch.cat([allowed & fp, allowed & ~fp], dim=-1)
         mask = attn.inner_mask(mask, self.implementation, query.dtype)
         keys = torch.cat([key, k_hat], dim=-2)
@@ -154,11 +154,13 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
     attn.install(_dispatch)
     num_layers = len(modules)
     states = []
+    masks: dict = {}
     for module in modules:
         k_spec, v_spec = policy.specs_for_layer(module.layer_idx, num_layers)
-        states.append(
-            LayerEmulation(module.layer_idx, k_spec, v_spec, policy, base, prefill_len=prefill_len, diagnostics=diagnostics)
-        )
+        states.append(LayerEmulation(
+            module.layer_idx, k_spec, v_spec, policy, base, prefill_len=prefill_len, diagnostics=diagnostics,
+            mask_cache=masks,
+        ))
 
     def before(_module, _args):
         for s in states:

@@ -35,7 +35,7 @@ class Params(Strict):
     position_bins: int = Field(8, gt=0)
     bootstrap: int = Field(1000, ge=0)
     diagnostics: bool = True
-    noise_windows: int = Field(1, ge=0)
+    noise_windows: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _stride_fits(self):
