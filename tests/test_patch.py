@@ -183,10 +183,11 @@ def test_diagnostics_report_errors(tiny_llama):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["int4_g64", "kivi2"])
-def test_builtin_model_emulation_matches_decoding(name, builtin_model64):
-    """256 tokens of the builtin corpus, float64: the two paths agree to 1e-5 in the logits (measured: 1e-14 up to
-    token 177; from layer 14 on, two positions drift to 3.5e-6 under int4_g64 as 30 layers amplify 1e-13 noise).
+@pytest.mark.parametrize("name,n", [("int4_g64", 128), ("kivi2", 160)])
+def test_builtin_model_emulation_matches_decoding(name, n, builtin_model64):
+    """The builtin corpus, float64: the two paths agree to 1e-6 in the logits (measured: 1e-14 on 128 tokens; over
+    256 tokens under int4_g64 two positions after token 177 drift to 3.5e-6 as 30 layers amplify 1e-13 noise).
+    kivi2 needs more than its 128-token residual block to quantize anything.
 
     In float32 they do not: the key projection of one token and of a sequence differ in the last bits, values on
     a rounding boundary land on neighbouring codes, and the network amplifies the flips (measured on 128 tokens:
@@ -194,15 +195,15 @@ def test_builtin_model_emulation_matches_decoding(name, builtin_model64):
     from kveval.data import load_tokens
 
     model, tok = builtin_model64
-    ids = load_tokens("builtin", tok)[1000:1256][None]
+    ids = load_tokens("builtin", tok)[1000 : 1000 + n][None]
     policy = KVPolicy.preset(name)
     with torch.no_grad():
         baseline = model(ids).logits
     emulated = emulated_logits(model, ids, policy)
     decoded, cache = decoded_logits(model, ids, policy)
     assert (emulated - baseline).abs().max() > 0.1, "the policy changes the logits"
-    torch.testing.assert_close(emulated, decoded, rtol=0, atol=1e-5)
-    assert cache.get_seq_length() == 256
+    torch.testing.assert_close(emulated, decoded, rtol=0, atol=1e-6)
+    assert cache.get_seq_length() == n
 
 
 @pytest.mark.parametrize("name", ["int4_g32", "kivi2", "q4_0", "fp8_e4m3", "int3_g64"])
