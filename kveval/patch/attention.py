@@ -21,14 +21,9 @@ WRAPPABLE = ("sdpa", "eager")
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention modules of a decoder, in layer order (modules with ``layer_idx`` and a key projection)."""
-    found = []
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and (hasattr(module, "k_proj") or type(module).__name__.endswith("Attention")):
-            if type(module).__name__.endswith("Attention"):
-                found.append(module)
-    found.sort(key=lambda m: m.layer_idx)
-    return found
+    """The self-attention modules of a decoder, in layer order (``*Attention`` modules with a ``layer_idx``)."""
+    found = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
+    return sorted(found, key=lambda m: m.layer_idx)
 
 
 def stock_attention(module: torch.nn.Module, implementation: str) -> Callable:

@@ -66,9 +66,7 @@ def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, 
     for name in ("nll", "kld", "agree"):
         rec[f"{name}_sum"] = float(metrics[name].sum())
     for name in ("nll", "kld"):
-        sums, counts = bin_sums(metrics[name], positions, params.position_bins, params.seq_len)
-        rec[f"bin_{name}"] = sums
-        rec["bin_count"] = counts
+        rec[f"bin_{name}"], rec["bin_count"] = bin_sums(metrics[name], positions, params.position_bins, params.seq_len)
     return rec
 
 
