@@ -17,8 +17,10 @@ tokens of ``batch`` sequences (K/V tensors ``[batch, kv_heads, n, head_dim]``):
   ``max(n - R, S)``; block mode ``S + floor((n - S) / R) * R`` (only complete blocks are quantized).
   Codes are ``ceil(head_dim * bits / 8)`` bytes per token row (INT b: b/8 byte per element, FP8 1); scales and
   zero points in their storage dtype per statistics group: token (per token and head), group (per ``group_size``
-  of head_dim), channel (per channel and head per block of ``R`` tokens, amortised), head / tensor (static: one per
-  head / one per layer and tensor, whatever the batch and context).
+  of head_dim), channel (per channel and head per block of ``R`` tokens, amortised; with calibrated scales one per
+  channel and head per layer), head / tensor (static: one per head / one per layer and tensor, whatever the batch
+  and context). Outliers (``spec.outliers``) are counted with the scales: ``k`` values per token row in
+  ``fp_bytes`` plus a 1-byte index each.
 
 Worked (the published figures, binary units, symmetric, float32 scales, no zero point), ``llama-7b-mha``
 (32 layers, 32 KV heads, head_dim 128), batch 1, 2048 tokens: FP16 = 2 * 32 * 32 * 2048 * 128 * 2 B = 1 GiB;
@@ -38,9 +40,12 @@ from typing import Any
 
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
+import torch
+
 from kveval.quant import QuantSpec, packed_nbytes
 
 FP16_BYTES = 2
+_FP_DTYPES = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32, 8: torch.float64}
 DEFAULT_BLOCK_SIZE = 16
 
 # name -> (layers, kv_heads, head_dim, parameters)
@@ -252,14 +257,17 @@ def _tensor_part(spec: QuantSpec, policy: KVPolicy, arch: Arch, batch: int, n: i
     if n_q == 0:
         return Part(residual=residual)
     cb = policy.residual if spec.granularity == "channel" else None
-    nb = packed_nbytes(spec, (B, H, n_q, D), channel_block=cb)
-    return Part(codes=nb["codes"], scales=nb["scales"], residual=residual)
+    nb = packed_nbytes(spec, (B, H, n_q, D), channel_block=cb, dtype=_FP_DTYPES[fp_bytes],
+                       static=policy.uses_static(spec))
+    return Part(codes=nb["codes"], scales=nb["scales"] + nb["outliers"], residual=residual)
 
 
 def _check_sizes(context: Any, batch: Any, fp_bytes: Any) -> None:
     _positive_int(context, "context")
     _positive_int(batch, "batch")
     _positive_int(fp_bytes, "fp_bytes")
+    if fp_bytes not in _FP_DTYPES:
+        raise KvevalError(f"fp_bytes must be one of {sorted(_FP_DTYPES)}; got {fp_bytes}")
 
 
 def kv_bytes(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1, fp_bytes: int = FP16_BYTES) -> Bill:
@@ -392,16 +400,17 @@ def block_bytes(arch: Arch, policy: KVPolicy | str, block_size: int = DEFAULT_BL
     total = Fraction(0)
     for i in range(arch.layers):
         for spec in pol.specs_for_layer(i, arch.layers):
+            nb = packed_nbytes(spec, (1, H, block_size, D), dtype=_FP_DTYPES[fp_bytes])
             if spec.is_none:
                 total += H * block_size * D * fp_bytes
-            elif spec.granularity in ("tensor", "head"):
-                total += packed_nbytes(spec, (1, H, block_size, D))["codes"]
+            elif spec.granularity in ("tensor", "head") or pol.uses_static(spec):
+                total += nb["codes"] + nb["outliers"]
             elif spec.granularity == "channel":
                 r = pol.residual
-                nb = packed_nbytes(spec, (1, H, r, D), channel_block=r)
-                total += Fraction(nb["codes"] * block_size, r) + Fraction(nb["scales"] * block_size, r)
+                per_r = packed_nbytes(spec, (1, H, r, D), channel_block=r, dtype=_FP_DTYPES[fp_bytes])
+                total += Fraction(per_r["total"] * block_size, r)
             else:
-                total += packed_nbytes(spec, (1, H, block_size, D))["total"]
+                total += nb["total"]
     return int(total) if total.denominator == 1 else float(total)
 
 

@@ -17,6 +17,12 @@ Semantics of the windows, for a query decoded at position ``t`` (the cache then 
 * ``prefill = "fp"``: queries of the prompt (the first ``prefill_len`` positions) attend to the prompt in full
   precision, as serving engines do; the prompt is stored quantized for the decode steps that follow.
   ``prefill = "quantized"``: the prompt queries attend to the cache as it stands at the end of the prefill.
+
+Calibrated (static) scales: ``scales: PATH`` names a scales file written by ``kveval calibrate`` (``auto``: the run
+calibrates one itself on a slice of the corpus disjoint from the evaluation). Specs of granularity ``tensor``,
+``head`` or ``channel`` then use the file's parameters for every token (a calibrated per-channel spec needs no
+token blocks); token and group specs stay dynamic. ``pre_rope: true`` quantizes keys before the rotary embedding
+(KVQuant): the cache stores pre-RoPE keys and rotates them again when they are read.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from kveval.quant import QuantSpec, preset, preset_names
 
 RESIDUAL_MODES = ("sliding", "block")
 PREFILL_MODES = ("fp", "quantized")
-_POLICY_KEYS = ("preset", "key", "value", "spec", "layers", "residual", "residual_mode", "sink_tokens", "prefill")
+_POLICY_KEYS = ("preset", "key", "value", "spec", "layers", "residual", "residual_mode", "sink_tokens", "prefill",
+                "scales", "pre_rope")
+AUTO_SCALES = "auto"
 _OVERRIDE_KEYS = ("key", "value", "spec")
 
 
@@ -121,6 +129,8 @@ class KVPolicy:
     residual_mode: str = "sliding"
     sink_tokens: int = 0
     prefill: str = "fp"
+    scales: str | None = None
+    pre_rope: bool = False
 
     def __post_init__(self):
         if self.residual < 0 or self.sink_tokens < 0:
@@ -131,17 +141,22 @@ class KVPolicy:
             raise KvevalError(f"policy '{self.name}': prefill must be one of {PREFILL_MODES}, got '{self.prefill}'")
         if self.residual_mode == "block" and self.residual == 0:
             raise KvevalError(f"policy '{self.name}': residual_mode 'block' needs residual > 0 (the block size)")
+        if self.scales is not None and (not isinstance(self.scales, str) or not self.scales.strip()):
+            raise KvevalError(f"policy '{self.name}': scales must be a path to a scales file or 'auto'; got {self.scales!r}")
         for spec in self.all_specs():
-            if spec.granularity == "channel" and not spec.is_none:
+            if spec.granularity == "channel" and not spec.is_none and self.scales is None:
                 if self.residual_mode != "block":
                     raise KvevalError(
                         f"policy '{self.name}': per-channel quantization takes its statistics over a block of tokens; "
-                        "set residual_mode: block and residual: N (e.g. 128, as KIVI does)"
+                        "set residual_mode: block and residual: N (e.g. 128, as KIVI does), or calibrate static "
+                        "scales (scales: auto)"
                     )
-            if spec.granularity in ("tensor", "head") and not spec.is_none and spec.static_scale is None:
+            if spec.granularity in ("tensor", "head") and not spec.is_none and spec.static_scale is None \
+                    and self.scales is None:
                 raise KvevalError(
-                    f"policy '{self.name}': '{spec.granularity}' granularity needs a static scale (static_scale: 1.0); "
-                    "dynamic per-tensor statistics would look at tokens that are not decoded yet"
+                    f"policy '{self.name}': '{spec.granularity}' granularity needs static scales (scales: auto, "
+                    "scales: FILE from kveval calibrate, or static_scale: 1.0); dynamic per-tensor statistics would "
+                    "look at tokens that are not decoded yet"
                 )
 
     # --- construction -------------------------------------------------------------------------------------------
@@ -186,6 +201,14 @@ class KVPolicy:
         for key in ("residual_mode", "prefill"):
             if key in cfg:
                 fields[key] = str(cfg[key])
+        if "scales" in cfg:
+            if cfg["scales"] is not None and not isinstance(cfg["scales"], str):
+                raise KvevalError(f"{where}.scales: expected a scales file path or 'auto', got {cfg['scales']!r}")
+            fields["scales"] = cfg["scales"]
+        if "pre_rope" in cfg:
+            if not isinstance(cfg["pre_rope"], bool):
+                raise KvevalError(f"{where}.pre_rope: expected true or false, got {cfg['pre_rope']!r}")
+            fields["pre_rope"] = cfg["pre_rope"]
         if "layers" in cfg:
             fields["layers"] = _parse_overrides(cfg["layers"], where)
         return replace(base, **fields)
@@ -200,6 +223,10 @@ class KVPolicy:
             "sink_tokens": self.sink_tokens,
             "prefill": self.prefill,
         }
+        if self.scales is not None:
+            out["scales"] = self.scales
+        if self.pre_rope:
+            out["pre_rope"] = True
         if self.layers:
             out["layers"] = {
                 o.selector: {k: s.to_dict() for k, s in (("key", o.key), ("value", o.value)) if s is not None}
@@ -228,6 +255,15 @@ class KVPolicy:
         """True when no tensor of any layer is quantized (the policy is the full-precision baseline)."""
         return all(s.is_none for s in self.all_specs())
 
+    def uses_static(self, spec: QuantSpec) -> bool:
+        """Whether ``spec`` takes its parameters from the policy's scales file (tensor, head, channel granularity)."""
+        return self.scales is not None and not spec.is_none and spec.ggml is None and \
+            spec.granularity in ("tensor", "head", "channel")
+
+    def needs_scales_file(self) -> bool:
+        """Whether any spec of the policy reads the scales file."""
+        return any(self.uses_static(s) for s in self.all_specs())
+
     def check_model(self, num_layers: int, head_dim: int) -> None:
         """Errors that need the model's shape: layer selectors in range, group sizes that divide head_dim."""
         for o in self.layers:
@@ -251,6 +287,10 @@ class KVPolicy:
             extra.append(f"{self.sink_tokens} sink tokens")
         if self.layers:
             extra.append(f"{len(self.layers)} layer override(s)")
+        if self.pre_rope:
+            extra.append("pre-RoPE keys")
+        if self.needs_scales_file():
+            extra.append("calibrated scales" + ("" if self.scales == AUTO_SCALES else f" ({self.scales})"))
         return ", ".join([kv, *extra])
 
     def has_full_precision_tokens(self, prefill_len: int = 0) -> bool:

@@ -140,23 +140,39 @@ def _fmt(value, spec: str) -> str:
 
 
 def summary_table(metrics: dict, cfg: ExperimentConfig) -> Table:
-    """The closing console table: one row per policy against the threshold."""
+    """The closing console table: one row per policy against the threshold; perplexity columns when the run
+    measured perplexity, needle columns when it ran the needle task."""
     thr = cfg.threshold
     title = f"{cfg.name}: {metrics['model']}, threshold ΔPPL <= {thr.delta_ppl_pct}%" + (
         f", KLD <= {thr.kld}" if thr.kld is not None else ""
     )
-    table = Table(title=title, title_justify="left")
-    for col in ("policy", "bits/elem", "PPL", "ΔPPL %", "KLD", "KLD CI95", "top-1", "verdict"):
-        table.add_column(col, justify="left" if col in ("policy", "verdict") else "right", no_wrap=True)
     base = metrics.get("baseline", {})
-    table.add_row("baseline", _fmt(base.get("bits_per_element"), ".2f"), _fmt(base.get("ppl"), ".4f"), "", "", "", "", "")
-    for name, m in metrics.get("policies", {}).items():
-        ci = m.get("kld_ci95")
-        ci_text = "-" if not ci else f"[{ci[0]:.3g}, {ci[1]:.3g}]"
-        verdict = m.get("verdict", "-")
+    rows = [("baseline", base), *metrics.get("policies", {}).items()]
+    has = {key: any(m.get(key) is not None for _, m in rows) for key in ("ppl", "needle_accuracy")}
+    cols = [("bits/elem", lambda m: _fmt(m.get("bits_per_element"), ".2f"))]
+    if has["ppl"] or not has["needle_accuracy"]:
+        cols += [
+            ("PPL", lambda m: _fmt(m.get("ppl"), ".4f")),
+            ("ΔPPL %", lambda m: _fmt(m.get("delta_ppl_pct"), "+.3f")),
+            ("KLD", lambda m: _fmt(m.get("kld_mean"), ".3g")),
+            ("KLD CI95", lambda m: "-" if not m.get("kld_ci95") else f"[{m['kld_ci95'][0]:.3g}, {m['kld_ci95'][1]:.3g}]"),
+            ("top-1", lambda m: _fmt(m.get("top1_agree"), ".4f")),
+        ]
+    if has["needle_accuracy"]:
+        cols += [
+            ("needle EM", lambda m: _fmt(m.get("needle_accuracy"), ".3f")),
+            ("answer logp/tok", lambda m: _fmt(m.get("needle_answer_logprob"), ".3f")),
+        ]
+    table = Table(title=title, title_justify="left")
+    table.add_column("policy", justify="left", no_wrap=True)
+    for name, _ in cols:
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("verdict", justify="left", no_wrap=True)
+    for name, m in rows:
+        verdict = "" if name == "baseline" else m.get("verdict", "-")
         style = {"pass": "green", "fail": "red"}.get(verdict, "yellow")
-        table.add_row(
-            name, _fmt(m.get("bits_per_element"), ".2f"), _fmt(m.get("ppl"), ".4f"), _fmt(m.get("delta_ppl_pct"), "+.3f"),
-            _fmt(m.get("kld_mean"), ".3g"), ci_text, _fmt(m.get("top1_agree"), ".4f"), f"[{style}]{verdict}[/]",
-        )
+        cells = [fn(m) for _, fn in cols]
+        if name == "baseline" and has["ppl"]:
+            cells[1:6] = [cells[1], "", "", "", ""]
+        table.add_row(name, *cells, f"[{style}]{verdict}[/]" if verdict else "")
     return table

@@ -26,8 +26,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kveval.patch.attention import attention_modules
+from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, policy_scales
+from kveval.patch.rope_capture import rope_of, track_rope
 from kveval.policy import KVPolicy
-from kveval.quant import QuantizedTensor, QuantSpec, dequantize, pack, quantize, unpack
+from kveval.quant import QuantizedTensor, dequantize, pack, unpack
 
 
 @dataclass
@@ -45,8 +47,10 @@ class StoredChunk:
     decoded: torch.Tensor | None = None
 
     @classmethod
-    def store(cls, x: torch.Tensor, spec: QuantSpec, channel_block: int | None) -> StoredChunk:
-        qt = quantize(x, spec, channel_block=channel_block)
+    def store(cls, x: torch.Tensor, quantizer: TensorQuantizer, channel_block: int | None, rope=None) -> StoredChunk:
+        """Quantize x ``[batch, kv_heads, n, head_dim]`` (``rope``: its ``(cos, sin)`` for pre-RoPE keys)."""
+        spec = quantizer.spec
+        qt = quantizer.quantize(x, channel_block, rope)
         if qt.codes.dtype in (torch.int8, torch.uint8) and spec.format == "int" and spec.bits < 8:
             n = qt.codes.shape[-1]
             packed = pack(qt.codes, spec.bits)
@@ -54,20 +58,21 @@ class StoredChunk:
             chunk = cls(qt=qt, packed=packed, n_codes=n)
         else:
             chunk = cls(qt=qt, packed=None, n_codes=qt.codes.shape[-1])
-        chunk.decoded = chunk.read_storage()
+        chunk.decoded = quantizer.read_back(chunk.read_storage(), rope)
         return chunk
 
     def extend(self, other: StoredChunk) -> StoredChunk:
         """One chunk holding this chunk's tokens followed by ``other``'s (so that a read is one dequantize call).
 
-        Codes, packed rows, scales and zero points all carry tokens (or token blocks) on dim 2; per-tensor and
-        per-head scales are static, the same in both chunks, and kept once."""
+        Codes, packed rows, scales, zero points and outliers all carry tokens (or token blocks) on dim 2;
+        per-tensor, per-head and calibrated scales are static, the same in both chunks, and kept once."""
         a, b = self.qt, other.qt
+        static = a.static or (a.spec.granularity in ("tensor", "head") and a.spec.ggml is None)
 
-        def cat(x, y):
+        def cat(x, y, keep_once=static):
             if x is None:
                 return None
-            if a.spec.granularity in ("tensor", "head") and a.spec.ggml is None:
+            if keep_once:
                 return x
             return torch.cat([x, y], dim=2)
 
@@ -75,6 +80,8 @@ class StoredChunk:
         qt = QuantizedTensor(**{
             **a.__dict__, "codes": torch.cat([a.codes, b.codes], dim=2) if self.packed is None else a.codes,
             "scale": cat(a.scale, b.scale), "zero_point": cat(a.zero_point, b.zero_point), "shape": shape,
+            "outlier_values": cat(a.outlier_values, b.outlier_values, False),
+            "outlier_index": cat(a.outlier_index, b.outlier_index, False),
         })
         packed = None if self.packed is None else torch.cat([self.packed, other.packed], dim=2)
         return StoredChunk(qt=qt, packed=packed, n_codes=self.n_codes,
@@ -91,8 +98,10 @@ class StoredChunk:
         return self.decoded
 
     def nbytes(self) -> dict:
-        """Bytes held: the packed code bytes as stored, plus scales and zero points in their storage dtype."""
-        scales = sum(t.numel() * t.element_size() for t in (self.qt.scale, self.qt.zero_point) if t is not None)
+        """Bytes held: the packed code bytes as stored, plus scales and zero points in their storage dtype and the
+        outliers (values + indices), counted with the scales as side data."""
+        side = (self.qt.scale, self.qt.zero_point, self.qt.outlier_values, self.qt.outlier_index)
+        scales = sum(t.numel() * t.element_size() for t in side if t is not None)
         if self.packed is None:
             codes = self.qt.nbytes()["codes"]
         else:
@@ -103,13 +112,17 @@ class StoredChunk:
 class QuantizedKVLayer(DynamicLayer):
     """One layer's quantized cache. Tensors are ``[batch, kv_heads, seq, head_dim]``."""
 
-    def __init__(self, key_spec: QuantSpec, value_spec: QuantSpec, policy: KVPolicy, is_sliding: bool = False):
+    def __init__(self, key_q: TensorQuantizer, value_q: TensorQuantizer, policy: KVPolicy, is_sliding: bool = False,
+                 module: torch.nn.Module | None = None):
         super().__init__()
-        self.key_spec, self.value_spec, self.policy = key_spec, value_spec, policy
+        self.key_q, self.value_q, self.policy = key_q, value_q, policy
+        self.key_spec, self.value_spec = key_q.spec, value_q.spec
         self.is_sliding = is_sliding
+        self.module = module  # the attention module, whose rotary embedding pre-RoPE keys need
         self.n_stored = 0
         self.q_end = policy.sink_tokens  # tokens [sink_tokens, q_end) are quantized
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
+        self.res_rope = None  # (cos, sin) [batch, residual tokens, head_dim] of the residual keys (pre_rope only)
         self.chunks_k: list[StoredChunk] = []  # at most one chunk each: new tokens are merged into it
         self.chunks_v: list[StoredChunk] = []
 
@@ -141,14 +154,22 @@ class QuantizedKVLayer(DynamicLayer):
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=-2)
         self.res_k = torch.cat([self.res_k, key_states[:, :, take:]], dim=-2)
         self.res_v = torch.cat([self.res_v, value_states[:, :, take:]], dim=-2)
+        if self.key_q.pre_rope:
+            cos, sin = rope_of(self.module, key_states.shape[-1])
+            new = (cos[:, take:], sin[:, take:])
+            self.res_rope = new if self.res_rope is None else tuple(
+                torch.cat([old, n], dim=1) for old, n in zip(self.res_rope, new))
         self.n_stored += n_new
 
         end = min(self.policy.quantized_block_end(self.n_stored), self.n_stored)
         if end > self.q_end:
             move = end - self.q_end
             block = self.policy.residual if self.policy.residual_mode == "block" else None
-            self._store(self.res_k[:, :, :move], self.res_v[:, :, :move], block)
+            rope = None if self.res_rope is None else tuple(t[:, :move] for t in self.res_rope)
+            self._store(self.res_k[:, :, :move], self.res_v[:, :, :move], block, rope)
             self.res_k, self.res_v = self.res_k[:, :, move:], self.res_v[:, :, move:]
+            if self.res_rope is not None:
+                self.res_rope = tuple(t[:, move:] for t in self.res_rope)
             self.q_end = end
 
         if prefill_fp:
@@ -157,13 +178,13 @@ class QuantizedKVLayer(DynamicLayer):
             return torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
         return self._read()
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, block: int | None) -> None:
-        for x, spec, chunks in ((k, self.key_spec, self.chunks_k), (v, self.value_spec, self.chunks_v)):
-            if spec.is_none:
+    def _store(self, k: torch.Tensor, v: torch.Tensor, block: int | None, rope=None) -> None:
+        for x, q, chunks, r in ((k, self.key_q, self.chunks_k, rope), (v, self.value_q, self.chunks_v, None)):
+            if q.is_none:
                 # a layer that keeps this tensor in full precision stores it as a plain chunk
                 new = _FullPrecisionChunk(x.clone())
             else:
-                new = StoredChunk.store(x, spec, block if spec.granularity == "channel" else None)
+                new = StoredChunk.store(x, q, block if q.spec.granularity == "channel" else None, r)
             if chunks:
                 chunks[0] = chunks[0].extend(new)
             else:
@@ -176,7 +197,7 @@ class QuantizedKVLayer(DynamicLayer):
         return self.n_stored + query_length, 0
 
     def reset(self) -> None:
-        self.__init__(self.key_spec, self.value_spec, self.policy, self.is_sliding)
+        self.__init__(self.key_q, self.value_q, self.policy, self.is_sliding, self.module)
 
     def nbytes(self) -> dict:
         """Bytes held: ``codes`` (packed), ``scales`` (scales and zero points), ``residual`` (full-precision tokens:
@@ -238,8 +259,12 @@ class QuantizedKVCache(Cache):
         modules = attention_modules(model)
         n = len(modules)
         sliding = _sliding_layers(model)
+        scales = policy_scales(policy, model)
+        if policy.pre_rope:
+            track_rope(model)
         layers = [
-            QuantizedKVLayer(*policy.specs_for_layer(m.layer_idx, n), policy, is_sliding=m.layer_idx in sliding)
+            QuantizedKVLayer(*layer_quantizers(policy, m.layer_idx, n, scales), policy,
+                             is_sliding=m.layer_idx in sliding, module=m)
             for m in modules
         ]
         super().__init__(layers=layers)

@@ -26,26 +26,30 @@ import torch
 from kveval.errors import KvevalError
 from kveval.patch import attention as attn
 from kveval.patch.diagnostics import TensorErrorStats
+from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, policy_scales
+from kveval.patch.rope_capture import rope_of, track_rope
 from kveval.policy import KVPolicy
-from kveval.quant import QuantSpec, fake_quantize
+from kveval.quant import QuantSpec
 
 
-def quantized_version(x: torch.Tensor, spec: QuantSpec, policy: KVPolicy) -> torch.Tensor:
+def quantized_version(x: torch.Tensor, quantizer: TensorQuantizer, policy: KVPolicy, rope=None) -> torch.Tensor:
     """The quantized version ``x̂`` of every token that the real cache would ever quantize.
 
-    x: ``[batch, kv_heads, T, head_dim]``. Sink tokens and, in block mode, the tokens of the last incomplete
-    block are never quantized; they are returned unchanged (the mask never selects their quantized version).
-    Per-channel specs take statistics over each block of ``policy.residual`` tokens after the sinks.
+    x: ``[batch, kv_heads, T, head_dim]``; ``rope = (cos, sin)`` ``[batch, T, head_dim]`` for pre-RoPE keys. Sink
+    tokens and, in block mode, the tokens of the last incomplete block are never quantized; they are returned
+    unchanged (the mask never selects their quantized version). Per-channel specs without calibrated scales take
+    statistics over each block of ``policy.residual`` tokens after the sinks.
     """
-    if spec.is_none:
+    if quantizer.is_none:
         return x
     T = x.shape[-2]
     start = min(policy.sink_tokens, T)
     end = policy.quantized_block_end(T) if policy.residual_mode == "block" else T
     if end <= start:
         return x
-    block = policy.residual if spec.granularity == "channel" else None
-    region = fake_quantize(x[:, :, start:end], spec, channel_block=block)
+    block = policy.residual if quantizer.spec.granularity == "channel" else None
+    part = None if rope is None else (rope[0][:, start:end], rope[1][:, start:end])
+    region = quantizer.fake(x[:, :, start:end], block, part)
     if start == 0 and end == T:
         return region
     return torch.cat([x[:, :, :start], region, x[:, :, end:]], dim=-2)
@@ -56,8 +60,8 @@ class LayerEmulation:
     """The emulation state attached to one attention module."""
 
     layer_idx: int
-    key_spec: QuantSpec
-    value_spec: QuantSpec
+    key_q: TensorQuantizer
+    value_q: TensorQuantizer
     policy: KVPolicy
     implementation: str
     prefill_len: int = 0
@@ -66,6 +70,14 @@ class LayerEmulation:
     key_stats: TensorErrorStats = field(default_factory=TensorErrorStats)
     value_stats: TensorErrorStats = field(default_factory=TensorErrorStats)
     mask_cache: dict = field(default_factory=dict)  # shared by the layers of one emulate() call
+
+    @property
+    def key_spec(self) -> QuantSpec:
+        return self.key_q.spec
+
+    @property
+    def value_spec(self) -> QuantSpec:
+        return self.value_q.spec
 
     @property
     def quantizes(self) -> bool:
@@ -90,8 +102,9 @@ class LayerEmulation:
             raise KvevalError(
                 "emulate() evaluates whole sequences in one pass; do not pass past_key_values (use QuantizedKVCache to decode)"
             )
-        k_hat = quantized_version(key, self.key_spec, self.policy)
-        v_hat = quantized_version(value, self.value_spec, self.policy)
+        rope = rope_of(module, key.shape[-1]) if self.key_q.pre_rope else None
+        k_hat = quantized_version(key, self.key_q, self.policy, rope)
+        v_hat = quantized_version(value, self.value_q, self.policy)
         if self.diagnostics:
             self.key_stats.update(key, k_hat)
             self.value_stats.update(value, v_hat)
@@ -151,14 +164,17 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
         raise KvevalError(
             f"attention implementation '{original}' cannot be emulated; load the model with sdpa or eager attention"
         )
+    scales = policy_scales(policy, model)
+    if policy.pre_rope:
+        track_rope(model)
     attn.install(_dispatch)
     num_layers = len(modules)
     states = []
     masks: dict = {}
     for module in modules:
-        k_spec, v_spec = policy.specs_for_layer(module.layer_idx, num_layers)
+        k_q, v_q = layer_quantizers(policy, module.layer_idx, num_layers, scales)
         states.append(LayerEmulation(
-            module.layer_idx, k_spec, v_spec, policy, base, prefill_len=prefill_len, diagnostics=diagnostics,
+            module.layer_idx, k_q, v_q, policy, base, prefill_len=prefill_len, diagnostics=diagnostics,
             mask_cache=masks,
         ))
 

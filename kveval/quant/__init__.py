@@ -12,6 +12,8 @@ from .primitives import (
     fake_quantize,
     pack,
     packed_nbytes,
+    qparams_from_range,
+    split_outliers,
     quantize,
     unpack,
 )
@@ -28,6 +30,8 @@ __all__ = [
     "pack",
     "unpack",
     "packed_nbytes",
+    "qparams_from_range",
+    "split_outliers",
     "preset",
     "preset_names",
 ]

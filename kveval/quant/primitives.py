@@ -9,6 +9,10 @@ Statistics groups and scale shapes (the zero point has the scale's shape):
   is its own block with statistics over its own T % cb tokens only (tokens never see later tokens' blocks).
 - head:    over B, T, D per kv head                  scale [1, H, 1, 1]
 - tensor:  over everything                           scale [1, 1, 1, 1]
+Static (calibrated) parameters, given as `qparams` (see `qparams_from_range`), are broadcast over the tokens:
+tensor [1, 1, 1, 1], head [1, H, 1, 1], channel [1, H, 1, D] (one scale per channel and head for every token).
+Outliers (`spec.outliers`): the k largest |x| of each head_dim row are taken out first (values [B, H, T, k] in x's
+dtype, uint8 indices), the dense rest (outliers set to 0) is quantized, and they are written back on dequantize.
 
 Arithmetic is float32 (float64 when x is float64; ggml types always float32, as gguf), the result has x's dtype.
 Scales and float zero points are rounded to `spec.scale_dtype` (clamped to its finite range) before they are used,
@@ -23,6 +27,7 @@ ggml -> int8 for q8_0/q4_0/q5_0 (code = ggml's q - 8 / q - 16), uint8 for q4_1/q
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -57,9 +62,13 @@ class QuantizedTensor:
     shape: torch.Size
     dtype: torch.dtype
     channel_block: int | None = None
+    static: bool = False  # qparams were given (calibrated), broadcast over tokens
+    outlier_values: torch.Tensor | None = None  # [B, H, T, k], x's dtype
+    outlier_index: torch.Tensor | None = None  # [B, H, T, k], uint8 (int16 when head_dim > 256)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes measured on the real tensors: codes packed row-wise along head_dim (`pack`), scales + zero points.
+        """Bytes measured on the real tensors: codes packed row-wise along head_dim (`pack`), scales + zero points,
+        outliers (values + indices).
 
         Equals `packed_nbytes(spec, shape)`; e.g. int4 g64 on [1, 8, 4096, 128]: codes 32768*64 = 2 MiB,
         scales + float16 mins 32768*2*(2+2) = 256 KiB.
@@ -72,7 +81,8 @@ class QuantizedTensor:
         else:
             codes = pack(self.codes, spec.bits).numel()
         scales = sum(t.numel() * t.element_size() for t in (self.scale, self.zero_point) if t is not None)
-        return {"codes": codes, "scales": scales, "total": codes + scales}
+        outliers = sum(t.numel() * t.element_size() for t in (self.outlier_values, self.outlier_index) if t is not None)
+        return {"codes": codes, "scales": scales, "outliers": outliers, "total": codes + scales + outliers}
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -165,9 +175,14 @@ def _int_levels(spec: QuantSpec) -> tuple[int, int]:
 
 def _qparams(xv: torch.Tensor, dims: tuple | None, spec: QuantSpec) -> QParams:
     """Scale (and zero point) of each group of xv, already rounded to the storage dtype."""
-    sdt = _SCALE_DTYPES[spec.scale_dtype]
     mn, mx = _minmax(xv, dims)
     _check_finite(mn, mx)
+    return _range_qparams(mn, mx, spec)
+
+
+def _range_qparams(mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    """Scale (and zero point) for groups whose values lie in [mn, mx] (symmetric specs use max(-mn, mx))."""
+    sdt = _SCALE_DTYPES[spec.scale_dtype]
     if spec.static_scale is not None:
         return QParams(_store(torch.full_like(mn, spec.static_scale), sdt))
     r = spec.clip_ratio
@@ -237,7 +252,51 @@ def _cat(parts: list[torch.Tensor], shape: tuple[int, int, int, int]) -> torch.T
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
+# ------------------------------------------------------------------------------------------------ outliers
+def split_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense-and-sparse split of x [B, H, T, D]: the k largest |x| of each row (ties: the lower index first).
+
+    Returns (dense [B, H, T, D] with those entries set to 0, values [B, H, T, k] in x's dtype, index [B, H, T, k]
+    uint8, or int16 when D > 256). Worked: row [0.1, -3.0, 0.2, 2.0], k = 1 -> dense [0.1, 0, 0.2, 2.0],
+    values [-3.0], index [1].
+    """
+    D = x.shape[-1]
+    # a stable descending sort makes the choice among equal magnitudes deterministic (lowest index first)
+    index = x.abs().sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
+    values = x.gather(-1, index)
+    dense = x.scatter(-1, index, 0.0)
+    return dense, values, index.to(torch.uint8 if D <= 256 else torch.int16)
+
+
+def _restore_outliers(xhat: torch.Tensor, values: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor:
+    if values is None:
+        return xhat
+    return xhat.scatter_(-1, index.long(), values.to(xhat.dtype))
+
+
 # ------------------------------------------------------------------------------------------------ public API
+def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams:
+    """Fixed (calibrated) parameters for values in [lo, hi]; symmetric specs use absmax = max(-lo, hi).
+
+    lo/hi: [] (tensor), [H] (head) or [H, D] (channel); the result has the static scale shape [1, 1, 1, 1],
+    [1, H, 1, 1] or [1, H, 1, D] and is rounded to spec.scale_dtype (clip_ratio applies as for statistics).
+    Worked (int8 symmetric, fp32 scale): lo = -2.54, hi = 1.0 -> s = 2.54 / 127 = 0.02.
+    """
+    if spec.is_none or spec.ggml is not None or spec.granularity not in ("tensor", "head", "channel"):
+        raise ValueError(f"static parameters need granularity tensor, head or channel (not ggml); got {spec.describe()}")
+    lo, hi = torch.as_tensor(lo), torch.as_tensor(hi)
+    if lo.shape != hi.shape:
+        raise ValueError(f"lo and hi must have the same shape; got {tuple(lo.shape)} and {tuple(hi.shape)}")
+    want = {"tensor": 0, "head": 1, "channel": 2}[spec.granularity]
+    if lo.dim() != want:
+        raise ValueError(f"{spec.granularity} ranges must have {want} dimension(s); got shape {tuple(lo.shape)}")
+    _check_finite(lo, hi)
+    spec = dataclasses.replace(spec, static_scale=None)  # the calibrated range replaces a fixed scale
+    shape = {0: (1, 1, 1, 1), 1: (1, -1, 1, 1), 2: (1, lo.shape[0] if lo.dim() == 2 else 1, 1, -1)}[want]
+    cdt = torch.float64 if lo.dtype == torch.float64 else torch.float32
+    return _range_qparams(lo.to(cdt).reshape(shape), hi.to(cdt).reshape(shape), spec)
+
+
 def choose_qparams(x: torch.Tensor, spec: QuantSpec, *, channel_block: int | None = None) -> QParams:
     """Scale (and zero point) of x [B, H, T, D] for `spec`, rounded to spec.scale_dtype; shapes in module doc.
 
@@ -283,6 +342,14 @@ def quantize(
     shape = tuple(x.shape)
     if spec.is_none:
         return QuantizedTensor(x, None, None, spec, x.shape, x.dtype)
+    k = spec.outlier_count(shape[-1])
+    if k and x.numel():
+        dense, values, index = split_outliers(x, k)
+        _check_finite(values)
+        qt = quantize(dense, dataclasses.replace(spec, outliers=0.0), qparams, channel_block=channel_block)
+        return dataclasses.replace(qt, spec=spec, outlier_values=values, outlier_index=index)
+    if qparams is not None and _is_static(spec, qparams):
+        return _quantize_static(x, spec, qparams)
     cb = _resolve_block(spec, shape[2], channel_block)
     cdt = _compute_dtype(x.dtype, spec)
     if x.numel() == 0:
@@ -311,6 +378,25 @@ def quantize(
     return QuantizedTensor(_cat(parts, shape), qparams.scale, qparams.zero_point, spec, x.shape, x.dtype, cb)
 
 
+def _is_static(spec: QuantSpec, qp: QParams) -> bool:
+    """Whether ``qp`` are broadcast (calibrated) parameters: a channel spec given a [1, H, 1, D] scale."""
+    return spec.granularity == "channel" and qp.scale.dim() == 4 and qp.scale.shape[0] == 1 and qp.scale.shape[2] == 1
+
+
+def _quantize_static(x: torch.Tensor, spec: QuantSpec, qp: QParams) -> QuantizedTensor:
+    B, H, T, D = x.shape
+    if qp.scale.shape[1] not in (1, H) or qp.scale.shape[3] != D:
+        raise ValueError(f"static channel qparams have shape {tuple(qp.scale.shape)}; need [1, {H}, 1, {D}]")
+    cdt = _compute_dtype(x.dtype, spec)
+    xc = x.to(cdt)
+    if xc.numel():
+        _check_finite(*_minmax(xc, None))
+    zp = None if qp.zero_point is None else qp.zero_point.to(cdt)
+    q = _codes(xc, qp.scale.to(cdt), zp, spec)
+    codes = q if spec.is_fp8 else q.to(_codes_dtype(spec))
+    return QuantizedTensor(codes, qp.scale, qp.zero_point, spec, x.shape, x.dtype, None, static=True)
+
+
 def _check_qparams(qp: QParams, spec: QuantSpec, shape: tuple[int, ...], cb: int | None) -> None:
     want = _scale_shape(spec, shape, cb)
     if tuple(qp.scale.shape) != want:
@@ -332,7 +418,15 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     shape = tuple(qt.shape)
     if qt.codes.numel() == 0:
         return torch.empty(shape, dtype=qt.dtype)
+    if qt.outlier_values is not None:
+        dense = dataclasses.replace(qt, spec=dataclasses.replace(spec, outliers=0.0), outlier_values=None,
+                                    outlier_index=None)
+        return _restore_outliers(dequantize(dense), qt.outlier_values, qt.outlier_index)
     cdt = _compute_dtype(qt.dtype, spec)
+    if qt.static:
+        q = _fp8_to_float(qt.codes, out=torch.empty(shape, dtype=cdt)) if spec.is_fp8 else qt.codes.to(cdt)
+        zp = None if qt.zero_point is None else qt.zero_point.to(cdt)
+        return _recon(q, qt.scale.to(cdt), zp, spec).to(qt.dtype)
     if spec.ggml is not None:
         q = _segments(qt.codes, spec, None)[0][0].to(torch.float32)
         return ggml_dequantize_blocks(q, qt.scale, qt.zero_point).reshape(shape).to(qt.dtype)
@@ -346,11 +440,14 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     return _cat(parts, shape).to(qt.dtype)
 
 
-def fake_quantize(x: torch.Tensor, spec: QuantSpec, *, channel_block: int | None = None) -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor, spec: QuantSpec, *, channel_block: int | None = None, qparams: QParams | None = None
+) -> torch.Tensor:
     """dequantize(quantize(x)) in one call, bit for bit, without materialising integer codes: the hot path.
 
     x [B, H, T, D] -> x^ of the same shape and dtype; `none` returns x itself. Passes over x (float32, token int):
-    one min/max reduction, then divide, round, clamp, multiply (in place on one temporary).
+    one min/max reduction, then divide, round, clamp, multiply (in place on one temporary). `qparams`: fixed
+    (calibrated) parameters, as for `quantize`; outliers (`spec.outliers`) go through `quantize`/`dequantize`.
     Worked (int4 symmetric, float16 scales): [0.5, -1.0, 0.25, 0.75] -> s = 0.142822265625,
     codes [4, -7, 2, 5] -> [0.5712890625, -0.999755859375, 0.28564453125, 0.714111328125].
     """
@@ -359,6 +456,8 @@ def fake_quantize(x: torch.Tensor, spec: QuantSpec, *, channel_block: int | None
     _check_input(x, spec)
     if x.numel() == 0:
         return x.clone()
+    if qparams is not None or spec.outliers:
+        return dequantize(quantize(x, spec, qparams, channel_block=channel_block))
     shape = tuple(x.shape)
     cb = _resolve_block(spec, shape[2], channel_block)
     cdt = _compute_dtype(x.dtype, spec)
@@ -447,10 +546,12 @@ def unpack(packed: torch.Tensor, bits: int, n: int, *, signed: bool = False) -> 
 
 def packed_nbytes(
     spec: QuantSpec, shape: tuple[int, ...] | torch.Size, *, channel_block: int | None = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype = torch.float16, static: bool = False,
 ) -> dict[str, int]:
     """Exact bytes of a QuantizedTensor of x shape [B, H, T, D]: codes ceil(D*bits/8) per row of head_dim, scales
-    and zero points in their dtypes (int zero points 1 byte); `dtype` is the element type for format 'none'.
+    and zero points in their dtypes (int zero points 1 byte); `dtype` is the element type for format 'none' and
+    for outlier values (k per row, each with a 1-byte index, 2 bytes when D > 256). `static`: calibrated
+    parameters (a channel spec then has one scale per channel and head: [1, H, 1, D]).
 
     Worked: int4 g64 asym, [1, 8, 4096, 128]: codes 32768 rows * 64 B = 2097152; scales: 32768*2 groups *
     (2 B fp16 scale + 2 B fp16 min) = 262144; total 2359296 (vs 8388608 in fp16: 3.56x smaller).
@@ -461,11 +562,17 @@ def packed_nbytes(
     B, H, T, D = shape
     if spec.is_none:
         n = B * H * T * D * torch.empty((), dtype=dtype).element_size()
-        return {"codes": n, "scales": 0, "total": n}
+        return {"codes": n, "scales": 0, "outliers": 0, "total": n}
     spec.check_head_dim(D)
     codes = B * H * T * math.ceil(D * spec.bits / 8)
-    groups = math.prod(_scale_shape(spec, shape, _resolve_block(spec, T, channel_block)))
+    if static and spec.granularity == "channel":
+        groups = H * D
+    else:
+        groups = math.prod(_scale_shape(spec, shape, _resolve_block(spec, T, channel_block)))
     per_group = torch.empty((), dtype=_SCALE_DTYPES[spec.scale_dtype]).element_size()
     if spec.mapping == "asymmetric":
         per_group += 1 if spec.zero_point == "int" else per_group
-    return {"codes": codes, "scales": groups * per_group, "total": codes + groups * per_group}
+    k = spec.outlier_count(D)
+    outliers = B * H * T * k * (torch.empty((), dtype=dtype).element_size() + (1 if D <= 256 else 2))
+    scales = groups * per_group
+    return {"codes": codes, "scales": scales, "outliers": outliers, "total": codes + scales + outliers}

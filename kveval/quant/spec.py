@@ -17,6 +17,11 @@ Formulas (b = bits, x one statistics group, s the scale after rounding to `scale
 - bits=1 symmetric has no non-zero level (2^0-1 = 0) and is rejected; use asymmetric 1-bit (codes {0,1}).
 - ggml q8_0/q4_0/q4_1/q5_0/q5_1: ggml's block quantizers, see `ggml.py`; the other fields must then match
   `GGML_TYPES` (use `preset("q4_0")` rather than spelling them out).
+- outliers = p (dense-and-sparse, KVQuant): in every head_dim vector the k = ceil(p * head_dim) largest magnitudes
+  are kept exactly (value in the tensor's dtype + a uint8 index), set to 0 in the dense part, and the dense part is
+  quantized as above. Worked: p = 0.01, head_dim 64 -> k = 1 outlier per token row and head.
+- static scales: tensor, head and channel granularities can take fixed (calibrated) parameters instead of
+  statistics (`qparams=` in `primitives`); a channel spec is then one scale per channel and head, for every token.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class QuantSpec:
     clip_ratio: float = 1.0
     ggml: str | None = None
     static_scale: float | None = None
+    outliers: float = 0.0
 
     def __post_init__(self) -> None:
         _one_of("format", self.format, FORMATS)
@@ -109,11 +115,14 @@ class QuantSpec:
                                  f"got {self.granularity!r}, {self.mapping!r}")
             if self.clip_ratio != 1.0:
                 raise ValueError("QuantSpec.clip_ratio must be 1.0 with a static_scale (the scale is fixed)")
+        if not _is_real(self.outliers) or not 0.0 <= self.outliers < 0.5:
+            raise ValueError(f"QuantSpec.outliers must be a fraction in [0, 0.5) of each head_dim vector; got {self.outliers!r}")
         if self.ggml is not None:
             _one_of("ggml", self.ggml, tuple(GGML_TYPES))
             bits, mapping = GGML_TYPES[self.ggml]
             want = dict(format="int", bits=bits, mapping=mapping, granularity="group", group_size=GGML_BLOCK,
-                        scale_dtype="float16", zero_point="float", clip_ratio=1.0, static_scale=None)
+                        scale_dtype="float16", zero_point="float", clip_ratio=1.0, static_scale=None,
+                        outliers=0.0)
             bad = {k: getattr(self, k) for k, v in want.items() if getattr(self, k) != v}
             if bad:
                 need = ", ".join(f"{k}={want[k]!r}" for k in bad)
@@ -133,7 +142,12 @@ class QuantSpec:
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as plain data; ``outliers`` only when set (so that configs resolved before it existed, and
+        the run folders holding them, stay the same)."""
+        d = dataclasses.asdict(self)
+        if not d["outliers"]:
+            del d["outliers"]
+        return d
 
     # ---- queries -----------------------------------------------------------------------------------------
     @property
@@ -144,6 +158,12 @@ class QuantSpec:
     @property
     def is_fp8(self) -> bool:
         return self.format in ("fp8_e4m3", "fp8_e5m2")
+
+    def outlier_count(self, head_dim: int) -> int:
+        """Outliers kept per head_dim vector: ``ceil(outliers * head_dim)`` (0 when ``outliers`` is 0)."""
+        if self.is_none or not self.outliers:
+            return 0
+        return min(math.ceil(self.outliers * head_dim - 1e-9), head_dim)
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError unless group_size divides head_dim, e.g. 'group_size 48 does not divide head_dim 64'."""
@@ -167,4 +187,6 @@ class QuantSpec:
             parts.append(f"clip {self.clip_ratio:g}")
         if self.static_scale is not None:
             parts.append(f"static scale {self.static_scale:g}")
+        if self.outliers:
+            parts.append(f"{100 * self.outliers:g}% outliers")
         return " ".join(parts) + f" ({sd} scales)"

@@ -65,16 +65,16 @@ def test_nbytes_prediction_equals_real_bytes(name, shape, cb):
     scale_bytes = qt.scale.numel() * qt.scale.element_size()
     if qt.zero_point is not None:
         scale_bytes += qt.zero_point.numel() * qt.zero_point.element_size()
-    assert real == {"codes": code_bytes, "scales": scale_bytes, "total": code_bytes + scale_bytes}
+    assert real == {"codes": code_bytes, "scales": scale_bytes, "outliers": 0, "total": code_bytes + scale_bytes}
 
 
 def test_nbytes_worked_numbers():
     shape = (1, 8, 4096, 128)
-    assert packed_nbytes(preset("int4_g64"), shape) == {"codes": 2097152, "scales": 262144, "total": 2359296}
+    assert packed_nbytes(preset("int4_g64"), shape) == {"codes": 2097152, "scales": 262144, "outliers": 0, "total": 2359296}
     assert packed_nbytes(preset("none"), shape)["total"] == 8388608
     # int3 rows of 128: 48 bytes; int zero points are 1 byte next to a 2-byte scale
     spec = QuantSpec(bits=3, mapping="asymmetric", zero_point="int", granularity="group", group_size=64)
-    assert packed_nbytes(spec, shape) == {"codes": 32768 * 48, "scales": 32768 * 2 * 3, "total": 32768 * 54}
+    assert packed_nbytes(spec, shape) == {"codes": 32768 * 48, "scales": 32768 * 2 * 3, "outliers": 0, "total": 32768 * 54}
     # channel, block 128, T = 300 -> 3 blocks (the last partial) of 128 channels, fp16 scale + min
     assert packed_nbytes(preset("int2_channel"), (1, 1, 300, 128), channel_block=128)["scales"] == 3 * 128 * 4
     assert packed_nbytes(preset("fp8_e4m3"), shape)["scales"] == 4

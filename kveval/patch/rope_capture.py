@@ -1,0 +1,48 @@
+"""The rotary embedding each attention layer receives, captured so that keys can be quantized before RoPE.
+
+transformers' attention modules get ``position_embeddings = (cos, sin)`` ``[batch, T, head_dim]`` from the decoder
+layer and hand only the rotated keys to the attention function and to the cache. ``track_rope(model)`` adds a
+forward pre-hook to every attention module that keeps the latest ``(cos, sin)`` on the module (idempotent; the hook
+holds no other state), and ``rope_of(module)`` reads it during the same forward call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kveval.errors import KvevalError
+from kveval.patch.attention import attention_modules
+
+_ATTR = "_kveval_rope"
+_HOOKED = "_kveval_rope_hooked"
+
+
+def _capture(module, args, kwargs):
+    pe = kwargs.get("position_embeddings")
+    if pe is None and len(args) > 1:
+        pe = args[1]
+    setattr(module, _ATTR, pe)
+
+
+def track_rope(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Install the capture hook on every attention module (once); returns the modules."""
+    modules = attention_modules(model)
+    for m in modules:
+        if not getattr(m, _HOOKED, False):
+            m.register_forward_pre_hook(_capture, with_kwargs=True)
+            setattr(m, _HOOKED, True)
+    return modules
+
+
+def rope_of(module: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[batch, T, head_dim]`` of the current forward call of ``module``."""
+    pe = getattr(module, _ATTR, None)
+    if not (isinstance(pe, (tuple, list)) and len(pe) == 2):
+        raise KvevalError(
+            f"{type(module).__name__}: no rotary position embeddings reached this layer; pre_rope needs a RoPE model"
+        )
+    cos, sin = pe
+    if cos.shape[-1] != head_dim:
+        raise KvevalError(f"{type(module).__name__}: rotary dimension {cos.shape[-1]} != head_dim {head_dim}; "
+                          "pre_rope supports full-dimension RoPE only")
+    return cos, sin

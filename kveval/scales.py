@@ -1,0 +1,136 @@
+"""Scales files: calibrated K/V ranges per layer, written by ``kveval calibrate`` and read by policies (``scales:``).
+
+A scales file is a safetensors file with float32 tensors named ``{kind}.{granularity}.{stat}``:
+
+* kind: ``key`` (post-RoPE, as the cache sees keys), ``key_pre_rope`` (before the rotary embedding; rotary
+  models only) and ``value``;
+* granularity: ``tensor`` ``[layers]``, ``head`` ``[layers, kv_heads]``, ``channel`` ``[layers, kv_heads, head_dim]``;
+* stat: ``absmax`` (symmetric specs), ``lo`` and ``hi`` (asymmetric specs); see ``kveval.quant.calibrate``.
+
+and a JSON header (safetensors metadata key ``kveval_scales``): ``format`` (1), ``model``, ``layers``,
+``kv_heads``, ``head_dim``, ``corpus``, ``tokenizer`` (fingerprint), ``token_start``/``token_end`` (the corpus
+token range used), ``tokens``, ``seq_len``, ``method``, ``percentile``, ``target`` (the spec an ``mse`` file was
+searched for, else null), ``dtype``, ``created``, ``kveval``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from kveval.errors import KvevalError
+from kveval.quant import QParams, QuantSpec, qparams_from_range
+from kveval.quant.calibrate import STATIC_GRANULARITIES, Ranges
+
+FORMAT_VERSION = 1
+KINDS = ("key", "key_pre_rope", "value")
+_META_KEY = "kveval_scales"
+
+
+@dataclass
+class ScalesFile:
+    """A loaded scales file: ``header`` (dict) and ``tensors`` (name -> float32 tensor)."""
+
+    header: dict
+    tensors: dict[str, torch.Tensor]
+    path: str = ""
+
+    @property
+    def kinds(self) -> list[str]:
+        return [k for k in KINDS if f"{k}.tensor.absmax" in self.tensors]
+
+    def ranges(self, layer: int, kind: str, granularity: str) -> Ranges:
+        """The calibrated range of one layer's ``kind`` at ``granularity`` (shapes ``[]``, ``[H]``, ``[H, D]``)."""
+        name = f"{kind}.{granularity}"
+        if f"{name}.absmax" not in self.tensors:
+            have = ", ".join(self.kinds) or "none"
+            raise KvevalError(f"scales file {self.path}: no '{kind}' ranges (it holds: {have}); recalibrate")
+        return Ranges(*(self.tensors[f"{name}.{stat}"][layer] for stat in ("absmax", "lo", "hi")))
+
+    def qparams(self, layer: int, kind: str, spec: QuantSpec) -> QParams:
+        """Static parameters for ``spec`` (granularity tensor, head or channel) of one layer's keys or values."""
+        target = self.header.get("target")
+        if self.header.get("method") == "mse" and target:
+            t = QuantSpec.from_dict(target)
+            if (t.format, t.bits) != (spec.format, spec.bits):
+                raise KvevalError(
+                    f"scales file {self.path} was searched (mse) for {t.describe()}; the policy uses {spec.describe()}: "
+                    "calibrate for that format, or use method absmax or percentile"
+                )
+        r = self.ranges(layer, kind, spec.granularity)
+        lo, hi = (-r.absmax, r.absmax) if spec.mapping == "symmetric" else (r.lo, r.hi)
+        return qparams_from_range(lo, hi, spec)
+
+    def check_model(self, model_name: str, layers: int, kv_heads: int, head_dim: int) -> None:
+        """One clear error when the file was calibrated for another model or shape."""
+        h = self.header
+        want = (layers, kv_heads, head_dim)
+        have = (h.get("layers"), h.get("kv_heads"), h.get("head_dim"))
+        if have != want:
+            raise KvevalError(
+                f"scales file {self.path} is for {have[0]} layers x {have[1]} kv heads x head_dim {have[2]}, the model "
+                f"has {want[0]} x {want[1]} x {want[2]}; calibrate for this model (kveval calibrate CONFIG)"
+            )
+        if h.get("model") != model_name:
+            raise KvevalError(
+                f"scales file {self.path} was calibrated on '{h.get('model')}', this run uses '{model_name}'; "
+                "calibrate for this model (kveval calibrate CONFIG)"
+            )
+
+
+def save_scales(path: str | Path, ranges: dict[tuple[str, str], list[Ranges]], header: dict) -> Path:
+    """Write ``ranges[(kind, granularity)]`` (one Ranges per layer) and the header, atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for (kind, gran), per_layer in ranges.items():
+        for stat in ("absmax", "lo", "hi"):
+            tensors[f"{kind}.{gran}.{stat}"] = torch.stack([getattr(r, stat).float() for r in per_layer]).contiguous()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={_META_KEY: json.dumps({"format": FORMAT_VERSION, **header})})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_scales(path: str | Path) -> ScalesFile:
+    """Read a scales file; a missing or foreign file is one clear KvevalError."""
+    p = Path(path)
+    if not p.is_file():
+        raise KvevalError(f"scales file '{path}' does not exist; write one with kveval calibrate CONFIG")
+    stat = p.stat()
+    return _load(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=8)
+def _load(path: str, _mtime: int, _size: int) -> ScalesFile:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise KvevalError(f"scales file '{path}' cannot be read ({exc}); recalibrate") from None
+    if _META_KEY not in meta:
+        raise KvevalError(f"'{path}' is not a kveval scales file (no '{_META_KEY}' header); write one with kveval calibrate")
+    header = json.loads(meta[_META_KEY])
+    if header.get("format") != FORMAT_VERSION:
+        raise KvevalError(f"scales file '{path}' has format {header.get('format')}, this kveval reads {FORMAT_VERSION}")
+    missing = [f"{k}.{g}.{s}" for k in ("key", "value") for g in STATIC_GRANULARITIES for s in ("absmax", "lo", "hi")
+               if f"{k}.{g}.{s}" not in tensors]
+    if missing:
+        raise KvevalError(f"scales file '{path}' lacks {missing[0]}; recalibrate")
+    return ScalesFile(header=header, tensors=tensors, path=path)
