@@ -63,6 +63,20 @@ def run(
 
 @app.command()
 @user_errors
+def calibrate(
+    config: Annotated[Path, typer.Argument(help="Experiment config; its calibration: section says how.")],
+    overrides: OverrideOpt = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Scales file to write (.safetensors).")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
+):
+    """Static K/V scales from a calibration slice (the corpus tail): a scales file that policies use as scales: FILE."""
+    from kveval.calibration import calibrate_command
+
+    calibrate_command(str(config), overrides, out=None if out is None else str(out), quiet=quiet)
+
+
+@app.command()
+@user_errors
 def scan(
     config: Annotated[Path, typer.Argument(help="Config with a sensitivity task (e.g. configs/layer_scan.yaml).")],
     overrides: OverrideOpt = None,

@@ -93,6 +93,31 @@ class MemoryConfig(Strict):
     gpu_memory: str = "80GiB"
 
 
+class CalibrationConfig(Strict):
+    """How ``kveval calibrate`` (and ``scales: auto`` policies) compute static scales: on the last ``tokens`` tokens
+    of the config's corpus in windows of ``seq_len``, by ``method`` (absmax | percentile | mse; ``target``: the
+    preset mse optimises for). Runs refuse scales whose tokens overlap the perplexity tokens unless
+    ``allow_overlap``. ``output``: where ``kveval calibrate`` writes (default ``results/scales/<name>.safetensors``)."""
+
+    tokens: int = Field(2048, gt=1)
+    seq_len: int = Field(512, gt=1)
+    method: Literal["absmax", "percentile", "mse"] = "absmax"
+    percentile: float = Field(99.9, gt=0, le=100)
+    target: str | None = None
+    allow_overlap: bool = False
+    output: str | None = None
+
+    @model_validator(mode="after")
+    def _target_for_mse(self):
+        if self.method == "mse" and not self.target:
+            raise ValueError("method mse needs target: the preset the scales are searched for (e.g. int8)")
+        if self.target is not None:
+            from kveval.quant import preset
+
+            preset(self.target)  # unknown preset -> ValueError with a suggestion
+        return self
+
+
 class KVConfig(Strict):
     """Named policies to compare. Each value is a preset name or a policy mapping (see ``KVPolicy.from_config``)."""
 
@@ -116,6 +141,7 @@ class ExperimentConfig(Strict):
     tasks: list[TaskEntry] = Field(min_length=1)
     threshold: Threshold = Threshold()
     memory: MemoryConfig = MemoryConfig()
+    calibration: CalibrationConfig = CalibrationConfig()
     output: str | None = None
     seed: int = 0
 
@@ -136,6 +162,8 @@ class ExperimentConfig(Strict):
     def resolved(self) -> dict:
         """Plain data after defaults, with every policy expanded to its full form (written as config.resolved.yaml)."""
         data = self.model_dump(mode="json")
+        if self.calibration == CalibrationConfig():
+            del data["calibration"]  # default: left out, so that runs from before the section existed still resume
         data["kv"] = {"policies": {n: p.to_config() for n, p in self.policies().items()}}
         return data
 

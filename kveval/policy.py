@@ -390,6 +390,15 @@ POLICY_PRESETS: dict[str, dict] = {
     "fp8_e4m3": {"spec": "fp8_e4m3"},
     "q8_0": {"spec": "q8_0"},
     "q4_0": {"spec": "q4_0"},
+    # serving engines (see docs/engines.md for what each reproduces and where it differs)
+    "vllm_fp8": {"spec": "fp8_e4m3", "prefill": "quantized"},
+    "vllm_fp8_per_head": {"spec": "fp8_e4m3_head", "scales": "auto", "prefill": "quantized"},
+    "trtllm_int8": {"spec": "int8_tensor", "scales": "auto"},
+    "llamacpp_q8_0": {"spec": "q8_0", "prefill": "quantized"},
+    "llamacpp_q4_0": {"spec": "q4_0", "prefill": "quantized"},
+    "hf_quanto_int4": {"spec": "int4_g64", "residual": 128, "residual_mode": "block"},
+    "kvquant4_1pct": {"key": {"preset": "int4_channel", "outliers": 0.01},
+                      "value": {"preset": "int4_token", "outliers": 0.01}, "pre_rope": True, "scales": "auto"},
 }
 
 POLICY_DESCRIPTIONS: dict[str, str] = {
@@ -406,6 +415,16 @@ POLICY_DESCRIPTIONS: dict[str, str] = {
     "fp8_e4m3": "FP8 E4M3 with a static scale of 1.0 (a plain saturating cast)",
     "q8_0": "llama.cpp -ctk q8_0 -ctv q8_0: blocks of 32, fp16 scale",
     "q4_0": "llama.cpp -ctk q4_0 -ctv q4_0: blocks of 32, fp16 scale",
+    "vllm_fp8": "vLLM --kv-cache-dtype fp8: E4M3, per-tensor scale 1.0 (no checkpoint scales; add scales: auto "
+                "to calibrate), prompt attends to the quantized cache",
+    "vllm_fp8_per_head": "vLLM FP8 E4M3 with calibrated per-head scales (as llm-compressor writes them)",
+    "trtllm_int8": "TensorRT-LLM INT8 KV cache: symmetric, one calibrated per-tensor scale per layer and K/V",
+    "llamacpp_q8_0": "llama.cpp -ctk q8_0 -ctv q8_0 (the prompt reads the quantized cache too)",
+    "llamacpp_q4_0": "llama.cpp -ctk q4_0 -ctv q4_0 (the prompt reads the quantized cache too)",
+    "hf_quanto_int4": "transformers QuantizedCache (quanto, nbits 4, group 64, residual_length 128): prompt "
+                      "attended in full precision, new tokens quantized in blocks of 128",
+    "kvquant4_1pct": "KVQuant-4bit-1%: pre-RoPE per-channel keys with calibrated scales, per-token values, 1% "
+                     "outliers of each vector kept exactly (uniform INT4 instead of KVQuant's non-uniform codes)",
 }
 
 

@@ -96,9 +96,11 @@ def run_experiment(
         check = getattr(runners[entry.kind], "check", None)
         if check is not None:
             check(ctx, entry.params)
+    check_scales(ctx)
 
     run = ctx.run = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite)
     run.repair()
+    resolve_auto_scales(ctx)
     started = now()
     env = environment(cfg.model.device)
     env["config_path"] = config_path
@@ -116,6 +118,55 @@ def run_experiment(
     console.print(summary_table(metrics, cfg))
     console.print(f"results: {run.path}/")
     return metrics
+
+
+def check_scales(ctx: RunContext) -> None:
+    """Scales files that policies name exist, fit the model and were not calibrated on the evaluated tokens;
+    ``scales: auto`` has a calibration slice that fits the corpus and is disjoint from the evaluation."""
+    from kveval.calibration import calibration_slice, check_overlap
+    from kveval.data import tokenizer_fingerprint
+    from kveval.patch.quantizers import layer_quantizers, policy_scales
+    from kveval.policy import AUTO_SCALES
+
+    users = {n: p for n, p in ctx.policies.items() if p.needs_scales_file()}
+    if not users:
+        return
+    n_tokens = len(ctx.tokens())
+    fp = tokenizer_fingerprint(ctx.tokenizer)
+    for name, policy in users.items():
+        if policy.scales == AUTO_SCALES:
+            start, end = calibration_slice(n_tokens, ctx.cfg.calibration.tokens)
+            header = {"corpus": ctx.cfg.data.source, "tokenizer": fp, "token_start": start, "token_end": end}
+            check_overlap(header, ctx.cfg, n_tokens, fp, f"policy '{name}' (scales: auto)")
+        else:
+            try:
+                sf = policy_scales(policy, ctx.model)
+                layers = ctx.info["num_layers"]
+                for i in range(layers):  # a format the file was not searched for fails here, not mid-run
+                    layer_quantizers(policy, i, layers, sf)
+            except KvevalError as exc:
+                raise KvevalError(f"policy '{name}': {exc}") from None
+            check_overlap(sf.header, ctx.cfg, n_tokens, fp, f"policy '{name}': scales file {policy.scales}")
+
+
+def resolve_auto_scales(ctx: RunContext) -> None:
+    """Calibrate once per run for ``scales: auto`` policies (``<run>/scales.safetensors``, reused on resume) and
+    point those policies at the file."""
+    from dataclasses import replace
+
+    from kveval.calibration import SCALES_FILE, calibrate
+    from kveval.policy import AUTO_SCALES
+
+    auto = [n for n, p in ctx.policies.items() if p.scales == AUTO_SCALES and p.needs_scales_file()]
+    if not auto:
+        return
+    path = ctx.run.path / SCALES_FILE
+    if path.is_file():
+        ctx.progress.log(f"calibration: reusing {path}")
+    else:
+        calibrate(ctx.model, ctx.tokenizer, ctx.tokens(), ctx.cfg, path, ctx.progress)
+    for name in auto:
+        ctx.policies[name] = replace(ctx.policies[name], scales=str(path))
 
 
 def memory_fields(ctx: RunContext) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
@@ -93,3 +94,37 @@ def set_implementation(model, name: str) -> None:
         cfg = getattr(sub, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation"):
             cfg._attn_implementation = name
+
+
+def _dispatch(state, module, query, key, value, attention_mask, *args, **kwargs):
+    return state.attend(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def base_implementation(model) -> str:
+    """The stock implementation (``sdpa`` or ``eager``) that the kveval wrapper will call; KvevalError otherwise."""
+    original = current_implementation(model)
+    base = original.removeprefix("kveval_")
+    if base not in WRAPPABLE:
+        raise KvevalError(
+            f"attention implementation '{original}' cannot be emulated; load the model with sdpa or eager attention"
+        )
+    return base
+
+
+@contextmanager
+def patched(model, states: dict[torch.nn.Module, object]):
+    """Route each attention module's attention call to ``states[module].attend(module, q, k, v, mask, ...)``
+    (which calls ``stock_attention`` itself); modules without a state run stock. Restores the model on exit."""
+    original = current_implementation(model)
+    base = base_implementation(model)
+    install(_dispatch)
+    for module, state in states.items():
+        setattr(module, STATE_ATTR, state)
+    set_implementation(model, f"kveval_{base}")
+    try:
+        yield
+    finally:
+        for module in states:
+            if hasattr(module, STATE_ATTR):
+                delattr(module, STATE_ATTR)
+        set_implementation(model, original)

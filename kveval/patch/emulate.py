@@ -119,10 +119,6 @@ class LayerEmulation:
         return stock(module, query, keys, values, mask, *args, **kwargs)
 
 
-def _dispatch(state: LayerEmulation, module, query, key, value, attention_mask, *args, **kwargs):
-    return state.attend(module, query, key, value, attention_mask, *args, **kwargs)
-
-
 class Emulation:
     """The handle ``emulate()`` yields: per-layer states, counts, and the diagnostics."""
 
@@ -158,16 +154,10 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
     modules = attn.attention_modules(model)
     if not modules:
         raise KvevalError(f"{type(model).__name__}: no attention modules with a layer index found; cannot patch")
-    original = attn.current_implementation(model)
-    base = original.removeprefix("kveval_")
-    if base not in attn.WRAPPABLE:
-        raise KvevalError(
-            f"attention implementation '{original}' cannot be emulated; load the model with sdpa or eager attention"
-        )
+    base = attn.base_implementation(model)
     scales = policy_scales(policy, model)
     if policy.pre_rope:
         track_rope(model)
-    attn.install(_dispatch)
     num_layers = len(modules)
     states = []
     masks: dict = {}
@@ -191,15 +181,9 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
             )
 
     hooks = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
-    for module, state in zip(modules, states):
-        setattr(module, attn.STATE_ATTR, state)
-    attn.set_implementation(model, f"kveval_{base}")
     try:
-        yield Emulation(states)
+        with attn.patched(model, dict(zip(modules, states))):
+            yield Emulation(states)
     finally:
         for h in hooks:
             h.remove()
-        for module in modules:
-            if hasattr(module, attn.STATE_ATTR):
-                delattr(module, attn.STATE_ATTR)
-        attn.set_implementation(model, original)

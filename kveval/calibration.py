@@ -1,0 +1,138 @@
+"""Calibration of static K/V scales: run the model over a calibration slice of the corpus, collect each layer's
+keys (post- and pre-RoPE) and values, reduce them to ranges per tensor / head / channel, write a scales file.
+
+    kveval calibrate configs/static_vs_dynamic.yaml [--out FILE]
+
+The slice is the last ``calibration.tokens`` tokens of the config's corpus (perplexity reads from the start), in
+windows of ``calibration.seq_len``. ``check_overlap`` refuses a run whose perplexity tokens overlap the tokens a
+scales file was calibrated on, unless ``calibration.allow_overlap``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+import torch
+
+from kveval.errors import KvevalError
+from kveval.quant import preset
+from kveval.quant.calibrate import STATIC_GRANULARITIES, calibrate_ranges
+
+SCALES_FILE = "scales.safetensors"
+
+
+def calibration_slice(n_tokens: int, tokens: int) -> tuple[int, int]:
+    """Corpus positions ``[start, end)`` of the calibration slice: the last ``tokens`` tokens."""
+    if tokens > n_tokens:
+        raise KvevalError(
+            f"calibration.tokens {tokens} is more than the corpus holds ({n_tokens} tokens); lower it"
+        )
+    return n_tokens - tokens, n_tokens
+
+
+def evaluation_range(cfg, n_tokens: int) -> tuple[int, int] | None:
+    """Corpus positions ``[0, end)`` that the config's perplexity tasks read (None when it has none)."""
+    ends = []
+    for entry in cfg.tasks:
+        if entry.kind == "perplexity":
+            p = entry.params
+            ends.append(n_tokens if p.max_tokens is None else min(p.max_tokens, n_tokens))
+    return (0, max(ends)) if ends else None
+
+
+def check_overlap(header: dict, cfg, n_tokens: int, tokenizer_fp: str, what: str) -> None:
+    """KvevalError when the calibrated tokens ``header`` names overlap the run's perplexity tokens."""
+    if cfg.calibration.allow_overlap:
+        return
+    if header.get("corpus") != cfg.data.source or header.get("tokenizer") != tokenizer_fp:
+        return  # another corpus (or tokenization): disjoint by construction
+    ev = evaluation_range(cfg, n_tokens)
+    lo, hi = header.get("token_start", 0), header.get("token_end", 0)
+    if ev is not None and lo < ev[1] and ev[0] < hi:
+        raise KvevalError(
+            f"{what} was calibrated on tokens [{lo}, {hi}) of corpus '{cfg.data.source}', which overlap the "
+            f"perplexity tokens [{ev[0]}, {ev[1]}); lower perplexity.max_tokens or calibration.tokens, or set "
+            "calibration.allow_overlap: true"
+        )
+
+
+@torch.no_grad()
+def collect_ranges(model, tokens: torch.Tensor, cal, progress=None) -> dict:
+    """``{(kind, granularity): [Ranges per layer]}`` from running ``model`` over ``tokens`` (the slice)."""
+    from kveval.patch.collect import collect_kv
+
+    windows = [tokens[i:i + cal.seq_len] for i in range(0, len(tokens), cal.seq_len)]
+    windows = [w for w in windows if len(w) >= 2]
+    target = preset(cal.target) if cal.target else None
+    with collect_kv(model) as collected:
+        if progress is None:
+            for w in windows:
+                model(w[None].to(model.device))
+        else:
+            with progress.task("calibrate: forward", total=len(windows), unit="tok") as advance:
+                for w in windows:
+                    model(w[None].to(model.device))
+                    advance(len(w))
+        n_layers = len(collected.layers)
+        out: dict = {}
+        for layer in range(n_layers):
+            for kind, x in collected.samples(layer).items():
+                for gran in STATIC_GRANULARITIES:
+                    r = calibrate_ranges(x, gran, cal.method, percentile=cal.percentile, target=target)
+                    out.setdefault((kind, gran), []).append(r)
+    return out
+
+
+def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Path, progress=None) -> Path:
+    """Calibrate on the slice ``cfg.calibration`` names and write the scales file at ``path``."""
+    from kveval import __version__
+    from kveval.data import tokenizer_fingerprint
+    from kveval.models import model_info
+    from kveval.scales import save_scales
+
+    cal = cfg.calibration
+    start, end = calibration_slice(len(corpus_tokens), cal.tokens)
+    ranges = collect_ranges(model, corpus_tokens[start:end], cal, progress)
+    info = model_info(model)
+    header = {
+        "model": info["name"], "layers": info["num_layers"], "kv_heads": info["num_kv_heads"],
+        "head_dim": info["head_dim"], "corpus": cfg.data.source, "tokenizer": tokenizer_fingerprint(tokenizer),
+        "token_start": start, "token_end": end, "tokens": end - start, "seq_len": cal.seq_len,
+        "method": cal.method, "percentile": cal.percentile if cal.method == "percentile" else None,
+        "target": preset(cal.target).to_dict() if cal.method == "mse" else None,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "kveval": __version__,
+    }
+    return save_scales(path, ranges, header)
+
+
+def default_output(cfg) -> Path:
+    return Path(cfg.calibration.output) if cfg.calibration.output else Path("results") / "scales" / f"{cfg.name}.safetensors"
+
+
+def calibrate_command(config_path: str, overrides: list[str] | None = None, out: str | None = None,
+                      quiet: bool = False) -> Path:
+    """``kveval calibrate``: load the config's model and corpus, calibrate, write the scales file; returns its path."""
+    import sys
+
+    from rich.console import Console
+
+    from kveval.config import load_config
+    from kveval.data import load_tokens
+    from kveval.models import load_model
+    from kveval.progress import Progress
+
+    cfg = load_config(config_path, overrides)
+    path = Path(out) if out else default_output(cfg)
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    console.print(f"[bold]kveval calibrate[/] {cfg.name}: {cfg.model.name} on {cfg.data.source}, "
+                  f"{cfg.calibration.tokens} tokens, method {cfg.calibration.method}")
+    model, tokenizer = load_model(cfg.model.name, device=cfg.model.device, dtype=cfg.model.dtype,
+                                  trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed)
+    d = cfg.data
+    tokens = load_tokens(d.source, tokenizer, split=d.split, text_field=d.text_field)
+    calibration_slice(len(tokens), cfg.calibration.tokens)  # errors before any slow work
+    written = calibrate(model, tokenizer, tokens, cfg, path, Progress(console, quiet=quiet))
+    console.print(f"scales: {written}")
+    return written
