@@ -142,6 +142,7 @@ class ExperimentConfig(Strict):
     threshold: Threshold = Threshold()
     memory: MemoryConfig = MemoryConfig()
     calibration: CalibrationConfig = CalibrationConfig()
+    plan: str | None = None  # the .plan.json of a planned config (kveval plan): the report compares with it
     output: str | None = None
     seed: int = 0
 
@@ -164,6 +165,8 @@ class ExperimentConfig(Strict):
         data = self.model_dump(mode="json")
         if self.calibration == CalibrationConfig():
             del data["calibration"]  # default: left out, so that runs from before the section existed still resume
+        if self.plan is None:
+            del data["plan"]
         data["kv"] = {"policies": {n: p.to_config() for n, p in self.policies().items()}}
         return data
 

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from kveval.errors import KvevalError
-from kveval.policy import KVPolicy
 import torch
 
+from kveval.errors import KvevalError
+from kveval.policy import KVPolicy
 from kveval.quant import QuantSpec, packed_nbytes
 
 FP16_BYTES = 2

@@ -323,6 +323,7 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
         "kv": {"policies": policies},
         "tasks": [{"perplexity": {"seq_len": metrics["sensitivity"].get("seq_len", 512), "max_tokens": eval_tokens}}],
         "threshold": resolved.get("threshold", {"delta_ppl_pct": 1.0}),
+        "plan": path.with_name(path.stem + ".plan.json").as_posix(),
         "seed": resolved.get("seed", 0),
     }
     from kveval.config import validate  # lazy: it imports the task registry (and so transformers)

@@ -97,6 +97,7 @@ def run_experiment(
         if check is not None:
             check(ctx, entry.params)
     check_scales(ctx)
+    plan = read_plan(cfg.plan)
 
     run = ctx.run = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite)
     run.repair()
@@ -110,6 +111,8 @@ def run_experiment(
     for entry in cfg.tasks:
         merge(metrics, runners[entry.kind].run(ctx, entry.params))
     merge(metrics, memory_fields(ctx))
+    if plan is not None:
+        metrics["plan"] = plan
     run.write_metrics(metrics)
     run.write_env(env, started=started, finished=now())
     from kveval.report import write_run_report
@@ -167,6 +170,28 @@ def resolve_auto_scales(ctx: RunContext) -> None:
         calibrate(ctx.model, ctx.tokenizer, ctx.tokens(), ctx.cfg, path, ctx.progress)
     for name in auto:
         ctx.policies[name] = replace(ctx.policies[name], scales=str(path))
+
+
+def read_plan(path: str | None) -> dict | None:
+    """The predictions of ``kveval plan`` (its ``.plan.json``) for the report's predicted-vs-measured table:
+    ``{"sidecar", "budget", "policy": "planned", "predicted": {policy: {"kld", "delta_ppl_pct"?}}}``."""
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        side = json.loads(p.read_text())
+        predicted = {"planned": {"kld": side["predicted_kld_sum"], "delta_ppl_pct": side["predicted_delta_ppl_pct"]}}
+        for name, u in side.get("uniform", {}).items():
+            predicted[name] = {"kld": u["predicted_kld_sum"]}
+    except FileNotFoundError:
+        raise KvevalError(f"plan: '{path}' does not exist; rerun kveval plan, or remove the plan: line") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise KvevalError(f"plan: '{path}' is not a kveval plan file (.plan.json from kveval plan)") from None
+    return {"sidecar": str(path), "budget": side.get("budget"), "scan": side.get("scan"), "policy": "planned",
+            "predicted": predicted}
 
 
 def memory_fields(ctx: RunContext) -> dict:

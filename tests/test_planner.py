@@ -180,3 +180,26 @@ def test_plan_command_writes_a_runnable_config(tmp_path, capsys):
     for row in side["layers"]:
         assert planned.specs_for_layer(row["layer"], 4) == (preset(row["key"]), preset(row["value"]))
     assert "planned:" in capsys.readouterr().out
+
+
+def test_run_of_a_planned_config_reports_predicted_against_measured(tmp_path, capsys):
+    test_plan_command_writes_a_runnable_config(tmp_path, capsys)
+    from kveval.report.load import load
+    from kveval.report.tables import plan_table
+    from kveval.runner import run_experiment
+
+    out = tmp_path / "run"
+    cfg = load_config(tmp_path / "gen" / "plan.yaml", ["tasks[0].perplexity.max_tokens=128", f"output={out}",
+                                                       "tasks[0].perplexity.bootstrap=0"])
+    assert cfg.plan == (tmp_path / "gen" / "plan.plan.json").as_posix()
+    metrics = run_experiment(cfg, quiet=True)
+    side = json.loads((tmp_path / "gen" / "plan.plan.json").read_text())
+    assert metrics["plan"]["predicted"]["planned"]["kld"] == side["predicted_kld_sum"]
+    table = plan_table(load(out))
+    row = table.set_index("policy").loc["planned"]
+    assert row["measured KLD"] == format(metrics["policies"]["planned"]["kld_mean"], ".4g")
+    assert row["predicted KLD"] == format(side["predicted_kld_sum"], ".4g")
+    assert "Plan: predicted against measured" in (out / "report.md").read_text()
+    # a missing plan file is one clear error before anything runs
+    with pytest.raises(KvevalError, match="does not exist"):
+        run_experiment(load_config(tmp_path / "gen" / "plan.yaml", ["plan=nope.plan.json", f"output={tmp_path}/r2"]))

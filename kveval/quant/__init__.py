@@ -13,8 +13,8 @@ from .primitives import (
     pack,
     packed_nbytes,
     qparams_from_range,
-    split_outliers,
     quantize,
+    split_outliers,
     unpack,
 )
 from .spec import QuantSpec

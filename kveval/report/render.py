@@ -140,6 +140,12 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
             f"KLD ≤ {thr['kld']:g}" if thr.get("kld") is not None else None]
     crit_s = " and ".join(c for c in crit if c) or "no threshold configured"
     b.append(Block("table", tables.verdict_table(r), caption=f"Policies against the threshold ({crit_s})"))
+    planned = tables.plan_table(r)
+    if not planned.empty:
+        plan = r.metrics["plan"]
+        b.append(Block("h", "Plan: predicted against measured", sub))
+        b.append(Block("table", planned, caption=f"kveval plan {plan.get('scan') or ''} --budget {plan.get('budget')} "
+                                                 "predicted these; the run measured them"))
     for stem, fn in plots.RUN_PLOTS.items():
         fig = fn(r)
         if fig is None:

@@ -164,3 +164,33 @@ def _f(v, spec: str, prefix: str = "", suffix: str = "") -> str:
 
 
 __all__ = ["summary", "verdict_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html"]
+
+
+def plan_table(res: RunResults) -> pd.DataFrame:
+    """Predicted (``kveval plan``) against measured KLD and ΔPPL for the planned policy and the uniform policies of
+    nearest memory; empty unless the run's config named a ``plan:``. KLD is the mean per-token KLD (the plan
+    predicts it as the sum of the scanned one-tensor KLDs, assuming they add up)."""
+    plan = (res.metrics or {}).get("plan") or {}
+    predicted = plan.get("predicted") or {}
+    if not predicted or res.summary.empty:
+        return pd.DataFrame()
+    rows = []
+    by_policy = res.summary.set_index("policy")
+    for name, pred in predicted.items():
+        if name not in by_policy.index:
+            continue
+        m = by_policy.loc[name]
+
+        def num(v, spec):
+            return "" if v is None or pd.isna(v) else format(v, spec)
+
+        rows.append({
+            "policy": name,
+            "bits/elem": num(m.get("bits_per_element"), ".3f"),
+            "predicted KLD": num(pred.get("kld"), ".4g"),
+            "measured KLD": num(m.get("kld_mean"), ".4g"),
+            "predicted ΔPPL %": num(pred.get("delta_ppl_pct"), "+.2f"),
+            "measured ΔPPL %": num(m.get("delta_ppl_pct"), "+.2f"),
+        })
+    return pd.DataFrame(rows)
+
