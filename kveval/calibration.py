@@ -32,13 +32,14 @@ def calibration_slice(n_tokens: int, tokens: int) -> tuple[int, int]:
 
 
 def evaluation_range(cfg, n_tokens: int) -> tuple[int, int] | None:
-    """Corpus positions ``[0, end)`` that the config's perplexity tasks read (None when it has none)."""
-    ends = []
+    """Corpus positions ``[start, end)`` that the config's perplexity tasks read (None when it has none)."""
+    spans = []
     for entry in cfg.tasks:
         if entry.kind == "perplexity":
             p = entry.params
-            ends.append(n_tokens if p.max_tokens is None else min(p.max_tokens, n_tokens))
-    return (0, max(ends)) if ends else None
+            end = n_tokens if p.max_tokens is None else min(p.start_token + p.max_tokens, n_tokens)
+            spans.append((p.start_token, end))
+    return (min(s for s, _ in spans), max(e for _, e in spans)) if spans else None
 
 
 def check_overlap(header: dict, cfg, n_tokens: int, tokenizer_fp: str, what: str) -> None:
@@ -52,7 +53,7 @@ def check_overlap(header: dict, cfg, n_tokens: int, tokenizer_fp: str, what: str
     if ev is not None and lo < ev[1] and ev[0] < hi:
         raise KvevalError(
             f"{what} was calibrated on tokens [{lo}, {hi}) of corpus '{cfg.data.source}', which overlap the "
-            f"perplexity tokens [{ev[0]}, {ev[1]}); lower perplexity.max_tokens or calibration.tokens, or set "
+            f"perplexity tokens [{ev[0]}, {ev[1]}); lower perplexity.max_tokens or calibration.tokens, move perplexity.start_token, or set "
             "calibration.allow_overlap: true"
         )
 

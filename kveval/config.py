@@ -133,6 +133,9 @@ class KVConfig(Strict):
         return value
 
 
+_OMITTED_AT_DEFAULT = {"perplexity": {"start_token": 0}}
+
+
 class ExperimentConfig(Strict):
     name: str = Field(min_length=1)
     model: ModelConfig = ModelConfig()
@@ -167,6 +170,12 @@ class ExperimentConfig(Strict):
             del data["calibration"]  # default: left out, so that runs from before the section existed still resume
         if self.plan is None:
             del data["plan"]
+        for task in data["tasks"]:  # fields added later, left out at their default (older run folders resume)
+            for kind, defaults in _OMITTED_AT_DEFAULT.items():
+                body = task.get(kind)
+                for key, default in defaults.items():
+                    if isinstance(body, dict) and body.get(key) == default:
+                        del body[key]
         data["kv"] = {"policies": {n: p.to_config() for n, p in self.policies().items()}}
         return data
 

@@ -321,7 +321,8 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
         "model": resolved.get("model", metrics.get("model")),
         "data": resolved.get("data", "builtin"),
         "kv": {"policies": policies},
-        "tasks": [{"perplexity": {"seq_len": metrics["sensitivity"].get("seq_len", 512), "max_tokens": eval_tokens}}],
+        "tasks": [{"perplexity": {"seq_len": metrics["sensitivity"].get("seq_len", 512), "max_tokens": eval_tokens,
+                                  "start_token": int(metrics["sensitivity"].get("token_end", 0))}}],
         "threshold": resolved.get("threshold", {"delta_ppl_pct": 1.0}),
         "plan": path.with_name(path.stem + ".plan.json").as_posix(),
         "seed": resolved.get("seed", 0),
@@ -345,7 +346,10 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
         + (" + none" if allow_fp else "") + (f"; KLD of {', '.join(p.estimated)} estimated (not scanned)"
                                               if p.estimated else ""),
         "# Per layer (K / V): " + "; ".join(f"{i}: {k}/{v}" for i, (k, v) in enumerate(zip(p.key, p.value))),
-        f"# The perplexity windows start at the corpus start: the scan's calibration slice ({metrics['sensitivity'].get('tokens')} tokens) is part of them.",
+        (f"# Evaluated on corpus tokens from {metrics['sensitivity']['token_end']} on: after the scan's slice "
+         f"[0, {metrics['sensitivity']['token_end']}), so the plan is not judged on the tokens it was fitted on."
+         if metrics["sensitivity"].get("token_end") else
+         "# The perplexity windows start at the corpus start: the scan's tokens are part of them (older scan)."),
     ]
     text = "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False, width=110)
     atomic_write_text(path, text)

@@ -97,7 +97,7 @@ def fake_scan(layers=4, kv_heads=2, head_dim=64, seq_len=64, seed=0):
     return {"run": "fake_scan", "model": "builtin:tiny-llama",
             "memory": {"arch": arch.to_dict(), "context": seq_len},
             "sensitivity": {"specs": ["int8", "int4_g64", "int2_g32"], "seq_len": seq_len, "cells": cells,
-                            "tokens": 63}}
+                            "tokens": 63, "token_end": 64}}
 
 
 def _brute_plan(metrics, capacity, specs):
@@ -172,6 +172,8 @@ def test_plan_command_writes_a_runnable_config(tmp_path, capsys):
     assert "# predicted_kld_sum:" in text
     cfg = load_config(out)
     assert list(cfg.policies())[:2] == ["planned", "int4_g32"]
+    # the validation run reads the corpus after the scan's tokens
+    assert cfg.tasks[0].params.start_token == metrics["sensitivity"]["token_end"] > 0
     side = json.loads((tmp_path / "gen" / "plan.plan.json").read_text())
     assert side["total_bytes"] <= side["budget_bytes"]
     planned = cfg.policies()["planned"]

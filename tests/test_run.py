@@ -34,6 +34,10 @@ def tiny_config(out: Path, **ppl) -> dict:
     }
 
 
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+
 def write(path: Path, cfg: dict) -> Path:
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -66,13 +70,15 @@ def test_run_writes_results_folder(tmp_path):
     assert len({r["key"] for r in records}) == len(records)
 
 
-@pytest.mark.parametrize("stride", [None, 24])
-def test_baseline_ppl_equals_plain_hf_loss(tmp_path, stride):
+@pytest.mark.parametrize("stride,start", [(None, 0), (24, 0), (None, 1000)])
+def test_baseline_ppl_equals_plain_hf_loss(tmp_path, stride, start):
     out = tmp_path / "run"
-    cfg = validate(tiny_config(out, stride=stride, max_tokens=400))
+    cfg = validate(tiny_config(out, stride=stride, max_tokens=400, start_token=start))
     metrics = run_experiment(cfg, quiet=True)
     model, tok = load_model("builtin:tiny-llama")
-    tokens = load_tokens("builtin", tok)
+    tokens = load_tokens("builtin", tok)[start:]
+    starts = [r["start"] for r in _records(out) if r.get("task") == "perplexity"]
+    assert min(starts) == start and max(starts) < start + 400  # records hold corpus positions
     nll, n = 0.0, 0
     with torch.no_grad():
         for w in token_windows(tokens, 64, stride=stride, max_tokens=400):

@@ -73,6 +73,7 @@ def test_scan_reuse_and_naive_give_the_same_numbers(tmp_path):
     reuse = scan_command(str(path), quiet=True)["sensitivity"]
     naive = scan_command(str(path), ["tasks[0].sensitivity.plots=false"], naive=True, quiet=True)["sensitivity"]
     assert reuse["mode"] == "reuse" and naive["mode"] == "naive"
+    assert reuse["token_end"] == 63  # two windows of 32 sharing one token read corpus tokens [0, 63)
     assert len(reuse["cells"]) == 4 * 2 * 2
     for a, b in zip(reuse["cells"], naive["cells"]):
         assert (a["layer"], a["tensor"], a["spec"]) == (b["layer"], b["tensor"], b["spec"])

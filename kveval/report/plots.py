@@ -256,6 +256,10 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
         if col == "kld_mean":
             if _log_ok(vals):
                 ax.set_yscale("log")
+            base = df[df["policy"] == BASELINE]["bytes_per_token"].dropna()
+            if len(base) and not multi:  # KLD 0 has no place on a log axis: say where the baseline is
+                ax.text(0.98, 0.03, f"FP16 baseline: KLD 0 at {float(base.iloc[0]) / KIB:.1f} KiB/token",
+                        transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="#444444")
         elif _use_symlog(vals, max(thrs) if thrs else 1.0):
             _symlog(ax, vals, max(thrs) if thrs else 1.0)
         ax.set_xlabel("KV cache per token (KiB; all layers, K+V, scales included)")
@@ -393,7 +397,7 @@ def memory_bars(res: RunResults) -> Figure | None:
     for part, c, h in (("codes", "#0072B2", ""), ("scales", "#E69F00", ".."), ("residual", "#999999", "//")):
         vals = (mem[part] / ctx / KIB).to_numpy(dtype=float)
         ax.bar(x, vals, bottom=bottom, color=c, hatch=h, edgecolor="black", lw=0.6,
-               label={"scales": "scales + zero points", "residual": "full precision"}.get(part, part))
+               label={"scales": "scales + zero points (+ outliers)", "residual": "full precision"}.get(part, part))
         bottom += vals
     fp16 = mem.loc[mem["policy"] == BASELINE, "total"]
     for xi, tot in zip(x, mem["total"]):

@@ -31,6 +31,7 @@ class Params(Strict):
     seq_len: int = Field(512, gt=1)
     stride: int | None = Field(None, gt=0)
     max_tokens: int | None = Field(4096, gt=0)
+    start_token: int = Field(0, ge=0)
     prefill_tokens: int = Field(0, ge=0)
     position_bins: int = Field(8, gt=0)
     bootstrap: int = Field(1000, ge=0)
@@ -60,7 +61,7 @@ def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, 
         "task": "perplexity",
         "window": window.index,
         "policy": policy,
-        "start": int(window.start),
+        "start": int(window.start) + params.start_token,  # corpus position
         "n_tokens": int(positions.numel()),
     }
     for name in ("nll", "kld", "agree"):
@@ -77,14 +78,15 @@ def check(ctx, params: Params) -> None:
         raise KvevalError(
             f"tasks: perplexity.seq_len {params.seq_len} is longer than the model's context ({limit} tokens); lower it"
         )
-    tokens = ctx.tokens()
+    tokens = ctx.tokens()[params.start_token:]
     if tokens.numel() < params.seq_len:
-        raise KvevalError(f"the corpus has {tokens.numel()} tokens, fewer than one window of seq_len {params.seq_len}")
+        raise KvevalError(f"the corpus has {tokens.numel()} tokens from start_token {params.start_token}, fewer than "
+                          f"one window of seq_len {params.seq_len}")
 
 
 def run(ctx, params: Params) -> dict:
     """Evaluate every (window, policy) not yet recorded, then aggregate all records into metrics."""
-    tokens = ctx.tokens()
+    tokens = ctx.tokens()[params.start_token:]
     windows = list(token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens))
     names = [BASELINE, *ctx.policies]
     done = ctx.run.done_keys()

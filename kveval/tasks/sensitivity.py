@@ -101,6 +101,7 @@ def run(ctx, params: Params) -> dict:
     layers = parse_layer_selector(params.layers, ctx.info["num_layers"])
     cells = [(i, t, s) for s in params.specs for i in layers for t in params.tensors]
     windows = list(token_windows(ctx.tokens(), params.seq_len, max_tokens=params.max_tokens))
+    token_end = max(w.end for w in windows)
     done = ctx.run.done_keys()
     todo = [(w, [c for c in cells if _key(w.index, c) not in done]) for w in windows]
     todo = [(w, cs) for w, cs in todo if cs or _key(w.index) not in done]
@@ -132,6 +133,7 @@ def run(ctx, params: Params) -> dict:
                 ctx.run.append(rec)
                 advance(1)
     out = aggregate(ctx.run.records(), params)
+    out["sensitivity"]["token_end"] = token_end  # the scan read corpus tokens [0, token_end)
     if params.plots and out["sensitivity"]["cells"]:
         from kveval.scan import plot_heatmap, plot_ranked
 
