@@ -11,7 +11,9 @@ the step at which it happens, so every key has exactly two versions, ``k`` and `
 the concatenation ``[k ; k̂]`` (``[v ; v̂]``) with a mask ``[M ∧ causal , ¬M ∧ causal]`` where ``M[t, j]`` says
 "query t sees token j in full precision" (``KVPolicy.full_precision_mask``). The softmax then covers exactly one
 version of each visible token. Cost: one attention call over 2T keys; when ``M`` is empty (no residual, no sinks,
-no FP prefill) it is one call over ``k̂`` alone.
+no FP prefill) it is one call over ``k̂`` alone. With ``prefill: fp`` and a prompt of P tokens, the P prompt
+queries see only full-precision keys: they run as a plain attention over the prompt, and only the T - P decoded
+queries attend over ``[k ; k̂]``.
 
 Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
 """
@@ -112,6 +114,18 @@ class LayerEmulation:
             return stock(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
         allowed = attn.allowed_mask(attention_mask, T, T, key.device)
         fp = self.visibility(T, key.device)
+        P = self.prefill_len if self.policy.prefill == "fp" else 0
+        if 0 < P < T:
+            # prompt queries see only full-precision keys: one plain attention over the prompt, and the mixed
+            # [k ; k̂] attention for the decoded queries alone (the cost no longer grows with 2T x T)
+            head = attn.inner_mask(allowed[..., :P, :P], self.implementation, query.dtype)
+            out_p, _ = stock(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)
+            mixed = torch.cat([allowed[..., P:, :] & fp[P:], allowed[..., P:, :] & ~fp[P:]], dim=-1)
+            mixed = attn.inner_mask(mixed, self.implementation, query.dtype)
+            keys = torch.cat([key, k_hat], dim=-2)
+            values = torch.cat([value, v_hat], dim=-2)
+            out_d, _ = stock(module, query[:, :, P:], keys, values, mixed, *args, **kwargs)
+            return torch.cat([out_p, out_d], dim=1), None  # outputs are [batch, T, heads, head_dim]
         mask = torch.cat([allowed & fp, allowed & ~fp], dim=-1)
         mask = attn.inner_mask(mask, self.implementation, query.dtype)
         keys = torch.cat([key, k_hat], dim=-2)
