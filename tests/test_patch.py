@@ -72,9 +72,11 @@ def test_emulation_equals_real_cache_decoding_float64(name, model_fixture, reque
 
 
 @pytest.mark.parametrize("prefill", ["fp", "quantized"])
-@pytest.mark.parametrize("name", ["sliding_residual_sinks", "block_residual_sinks", "channel_block_kivi"])
-def test_prefill_modes_match(name, prefill, tiny_llama64):
-    model, _ = tiny_llama64
+@pytest.mark.parametrize("name", ["sliding_residual_sinks", "block_residual_sinks", "channel_block_kivi",
+                                  "group_asym_int4"])
+@pytest.mark.parametrize("model_fixture", ["tiny_llama64", "tiny_gemma3_64"])
+def test_prefill_modes_match(name, prefill, model_fixture, request):
+    model, _ = request.getfixturevalue(model_fixture)
     from dataclasses import replace
 
     policy = replace(POLICIES[name], prefill=prefill)

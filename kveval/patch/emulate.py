@@ -112,20 +112,22 @@ class LayerEmulation:
             self.value_stats.update(value, v_hat)
         if not self.policy.has_full_precision_tokens(self.prefill_len):
             return stock(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
-        allowed = attn.allowed_mask(attention_mask, T, T, key.device)
         fp = self.visibility(T, key.device)
         P = self.prefill_len if self.policy.prefill == "fp" else 0
         if 0 < P < T:
-            # prompt queries see only full-precision keys: one plain attention over the prompt, and the mixed
-            # [k ; k̂] attention for the decoded queries alone (the cost no longer grows with 2T x T)
-            head = attn.inner_mask(allowed[..., :P, :P], self.implementation, query.dtype)
+            # prompt queries see only full-precision keys: the model's own attention over the prompt (its mask,
+            # or none: causal), and the mixed [k ; k̂] attention for the decoded queries alone
+            head = None if attention_mask is None else attention_mask[..., :P, :P]
             out_p, _ = stock(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)
-            mixed = torch.cat([allowed[..., P:, :] & fp[P:], allowed[..., P:, :] & ~fp[P:]], dim=-1)
+            rows = None if attention_mask is None else attention_mask[..., P:, :]
+            allowed = attn.allowed_mask(rows, T - P, T, key.device)  # [.., T - P, T]
+            mixed = torch.cat([allowed & fp[P:], allowed & ~fp[P:]], dim=-1)
             mixed = attn.inner_mask(mixed, self.implementation, query.dtype)
             keys = torch.cat([key, k_hat], dim=-2)
             values = torch.cat([value, v_hat], dim=-2)
             out_d, _ = stock(module, query[:, :, P:], keys, values, mixed, *args, **kwargs)
             return torch.cat([out_p, out_d], dim=1), None  # outputs are [batch, T, heads, head_dim]
+        allowed = attn.allowed_mask(attention_mask, T, T, key.device)
         mask = torch.cat([allowed & fp, allowed & ~fp], dim=-1)
         mask = attn.inner_mask(mask, self.implementation, query.dtype)
         keys = torch.cat([key, k_hat], dim=-2)
