@@ -23,6 +23,8 @@ def test_floor_is_zero_for_none_policy_in_float64(tmp_path):
         assert entry["noise_tokens"] == 47
     q = metrics["policies"]["int4_g32"]
     assert q["noise_floor_ppl_pct"] < 1e-9 and q["noise_max_abs_logit_gap"] < 1e-9  # float64: paths agree
+    # the metrics keep float64 logits: no float32 rounding of the logits hides in a float64 floor
+    assert metrics["baseline"]["noise_max_abs_logit_gap"] < 1e-11
     assert q["kld_mean"] > 1e-6 and q["verdict"] in ("pass", "fail")
     assert metrics["policies"]["fp16"]["verdict"] == "pass"  # no effect, and no noise to hide one
 
@@ -35,6 +37,9 @@ def test_verdict_within_noise_when_effect_below_floor():
     assert verdict(above, thr) == "pass"
     assert verdict({**above, "delta_ppl_pct": 3.0}, thr) == "fail"
     assert verdict({"delta_ppl_pct": 0.0, "kld_mean": 0.0}, thr) == "pass"  # no floor measured: plain threshold
+    # a float64 floor at rounding level hides nothing: a no-effect policy passes
+    rounding = {"delta_ppl_pct": 1e-14, "kld_mean": 1e-17, "noise_floor_ppl_pct": 1e-13, "noise_floor_kld": 1e-16}
+    assert verdict(rounding, thr) == "pass"
 
 
 def test_float32_floor_is_reported_and_larger_than_float64(tmp_path):

@@ -47,6 +47,12 @@ class Params(Strict):
         return self
 
 
+def _metric(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for the metrics: float64 stays float64 (a float64 run's noise floor is not float32 rounding),
+    everything else in float32."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 def _record_key(window: int, policy: str) -> str:
     return f"perplexity/w{window}/{policy}"
 
@@ -102,7 +108,7 @@ def run(ctx, params: Params) -> dict:
             # logits positions whose next token is scored (window.score_from indexes the first scored target)
             scored = torch.arange(w.score_from - 1, len(ids) - 1, device=ids.device)
             with torch.no_grad():
-                base = model(ids[None]).logits[0, :-1].float()
+                base = _metric(model(ids[None]).logits[0, :-1])
             base_scored = base[scored]
             tgt = targets[scored]
             for name in names:
@@ -117,7 +123,7 @@ def run(ctx, params: Params) -> dict:
                     policy = ctx.policies[name]
                     with emulate(model, policy, prefill_len=params.prefill_tokens, diagnostics=params.diagnostics) as emu:
                         with torch.no_grad():
-                            logits = model(ids[None]).logits[0, :-1].float()
+                            logits = _metric(model(ids[None]).logits[0, :-1])
                     metrics = compare_logits(base_scored, logits[scored], tgt)
                     diag = emu.diagnostics() if params.diagnostics else None
                     layers_quantized = emu.layers_quantized
@@ -146,11 +152,11 @@ def _noise_floor(ctx, params: Params, windows: list, names: list[str]) -> None:
             prefill = max(params.prefill_tokens, 1)
             with torch.no_grad():
                 if name == BASELINE:
-                    single = model(ids).logits[0, :-1].float()
+                    single = _metric(model(ids).logits[0, :-1])
                 else:
                     with emulate(model, policy, prefill_len=params.prefill_tokens):
-                        single = model(ids).logits[0, :-1].float()
-            decoded = decode_logits(model, ids, policy, prefill_len=prefill)[0, :-1].float()
+                        single = _metric(model(ids).logits[0, :-1])
+            decoded = _metric(decode_logits(model, ids, policy, prefill_len=prefill)[0, :-1])
             scored = torch.arange(w.score_from - 1, ids.shape[1] - 1, device=ids.device)
             tgt = ids[0, 1:][scored]
             a = compare_logits(single[scored], single[scored], tgt)
@@ -237,12 +243,20 @@ def _summarise(records: list[dict], params: Params, seed: int) -> dict:
     return out
 
 
+# Floors at or below these are float64 rounding (a policy and its second path agree to ~1e-13): they hide nothing.
+ROUNDING_FLOOR_PPL_PCT = 1e-9
+ROUNDING_FLOOR_KLD = 1e-12
+
+
 def verdict(s: dict, threshold) -> str:
     """``within_noise`` when |ΔPPL %| is below the path noise floor (or the KLD below the KLD floor); otherwise
-    ``pass`` / ``fail`` against the threshold."""
+    ``pass`` / ``fail`` against the threshold. Floors at float64 rounding level (``ROUNDING_FLOOR_*``) count as 0."""
     floor_ppl, floor_kld = s.get("noise_floor_ppl_pct"), s.get("noise_floor_kld")
-    if floor_ppl is not None and (abs(s["delta_ppl_pct"]) < floor_ppl or s["kld_mean"] < floor_kld):
-        return "within_noise"
+    if floor_ppl is not None:
+        fp = floor_ppl if floor_ppl > ROUNDING_FLOOR_PPL_PCT else 0.0
+        fk = floor_kld if floor_kld is not None and floor_kld > ROUNDING_FLOOR_KLD else 0.0
+        if abs(s["delta_ppl_pct"]) < fp or s["kld_mean"] < fk:
+            return "within_noise"
     ok = s["delta_ppl_pct"] <= threshold.delta_ppl_pct
     if threshold.kld is not None:
         ok = ok and s["kld_mean"] <= threshold.kld
