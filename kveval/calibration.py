@@ -11,6 +11,7 @@ scales file was calibrated on, unless ``calibration.allow_overlap``.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from pathlib import Path
 
 import torch
@@ -58,10 +59,18 @@ def check_overlap(header: dict, cfg, n_tokens: int, tokenizer_fp: str, what: str
         )
 
 
+def dense_kind(kind: str, outliers: float) -> str:
+    """The name of the ranges of ``kind`` taken without the outliers a spec with ``outliers`` removes."""
+    return f"{kind}@{outliers:g}" if outliers else kind
+
+
 @torch.no_grad()
-def collect_ranges(model, tokens: torch.Tensor, cal, progress=None) -> dict:
-    """``{(kind, granularity): [Ranges per layer]}`` from running ``model`` over ``tokens`` (the slice)."""
+def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=()) -> dict:
+    """``{(kind, granularity): [Ranges per layer]}`` from running ``model`` over ``tokens`` (the slice); for each
+    fraction in ``outliers`` also the ranges of the dense part (kind ``key@0.01`` etc.). A kind missing in some
+    layers (pre-RoPE keys of a layer without RoPE) is left out."""
     from kveval.patch.collect import collect_kv
+    from kveval.quant import split_outliers
 
     windows = [tokens[i:i + cal.seq_len] for i in range(0, len(tokens), cal.seq_len)]
     windows = [w for w in windows if len(w) >= 2]
@@ -79,14 +88,21 @@ def collect_ranges(model, tokens: torch.Tensor, cal, progress=None) -> dict:
         out: dict = {}
         for layer in range(n_layers):
             for kind, x in collected.samples(layer).items():
-                for gran in STATIC_GRANULARITIES:
-                    r = calibrate_ranges(x, gran, cal.method, percentile=cal.percentile, target=target)
-                    out.setdefault((kind, gran), []).append(r)
-    return out
+                variants = [(kind, x)]
+                for p in outliers:
+                    k = math.ceil(p * x.shape[-1] - 1e-9)
+                    variants.append((dense_kind(kind, p), split_outliers(x, k)[0]))
+                for name, samples in variants:
+                    for gran in STATIC_GRANULARITIES:
+                        r = calibrate_ranges(samples, gran, cal.method, percentile=cal.percentile, target=target)
+                        out.setdefault((name, gran), []).append(r)
+    return {key: ranges for key, ranges in out.items() if len(ranges) == n_layers}
 
 
-def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Path, progress=None) -> Path:
-    """Calibrate on the slice ``cfg.calibration`` names and write the scales file at ``path``."""
+def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Path, progress=None,
+              outliers=()) -> Path:
+    """Calibrate on the slice ``cfg.calibration`` names and write the scales file at ``path`` (dense-part ranges
+    for the fractions in ``calibration.outliers`` and ``outliers``)."""
     from kveval import __version__
     from kveval.data import tokenizer_fingerprint
     from kveval.models import model_info
@@ -94,14 +110,15 @@ def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Pa
 
     cal = cfg.calibration
     start, end = calibration_slice(len(corpus_tokens), cal.tokens)
-    ranges = collect_ranges(model, corpus_tokens[start:end], cal, progress)
+    fractions = sorted(set(cal.outliers) | {float(p) for p in outliers if p})
+    ranges = collect_ranges(model, corpus_tokens[start:end], cal, progress, fractions)
     info = model_info(model)
     header = {
         "model": info["name"], "layers": info["num_layers"], "kv_heads": info["num_kv_heads"],
         "head_dim": info["head_dim"], "corpus": cfg.data.source, "tokenizer": tokenizer_fingerprint(tokenizer),
         "token_start": start, "token_end": end, "tokens": end - start, "seq_len": cal.seq_len,
         "method": cal.method, "percentile": cal.percentile if cal.method == "percentile" else None,
-        "target": preset(cal.target).to_dict() if cal.method == "mse" else None,
+        "target": preset(cal.target).to_dict() if cal.method == "mse" else None, "outliers": fractions,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "kveval": __version__,
     }
@@ -134,6 +151,9 @@ def calibrate_command(config_path: str, overrides: list[str] | None = None, out:
     d = cfg.data
     tokens = load_tokens(d.source, tokenizer, split=d.split, text_field=d.text_field)
     calibration_slice(len(tokens), cfg.calibration.tokens)  # errors before any slow work
-    written = calibrate(model, tokenizer, tokens, cfg, path, Progress(console, quiet=quiet))
+    try:
+        written = calibrate(model, tokenizer, tokens, cfg, path, Progress(console, quiet=quiet))
+    except OSError as exc:
+        raise KvevalError(f"cannot write the scales file {path}: {exc}") from None
     console.print(f"scales: {written}")
     return written

@@ -96,16 +96,26 @@ class MemoryConfig(Strict):
 class CalibrationConfig(Strict):
     """How ``kveval calibrate`` (and ``scales: auto`` policies) compute static scales: on the last ``tokens`` tokens
     of the config's corpus in windows of ``seq_len``, by ``method`` (absmax | percentile | mse; ``target``: the
-    preset mse optimises for). Runs refuse scales whose tokens overlap the perplexity tokens unless
+    preset mse optimises for). ``outliers``: fractions p for which ranges of the dense part (each vector without
+    its ceil(p * head_dim) largest magnitudes) are added, for specs with ``outliers: p``. Runs refuse scales whose tokens overlap the perplexity tokens unless
     ``allow_overlap``. ``output``: where ``kveval calibrate`` writes (default ``results/scales/<name>.safetensors``)."""
 
     tokens: int = Field(2048, gt=1)
     seq_len: int = Field(512, gt=1)
     method: Literal["absmax", "percentile", "mse"] = "absmax"
-    percentile: float = Field(99.9, gt=0, le=100)
+    percentile: float = Field(99.9, ge=50, le=100)
     target: str | None = None
+    outliers: list[float] = []
     allow_overlap: bool = False
     output: str | None = None
+
+    @field_validator("outliers")
+    @classmethod
+    def _fractions(cls, value):
+        bad = [v for v in value if not 0 < v < 0.5]
+        if bad:
+            raise ValueError(f"outlier fractions must be in (0, 0.5); got {bad[0]}")
+        return sorted(set(value))
 
     @model_validator(mode="after")
     def _target_for_mse(self):

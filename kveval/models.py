@@ -481,6 +481,10 @@ def _verify_entry(entry: Path) -> str | None:
 def _finish(model, tok, name: str, device: torch.device, dtype: torch.dtype):
     if next(model.parameters()).dtype != dtype:
         model.to(dtype)
+    if dtype == torch.float64:  # float64 end to end: transformers' RMSNorm would compute in float32
+        from kveval.patch.exact_norms import make_norms_exact
+
+        make_norms_exact(model)
     model.to(device)
     model.eval().requires_grad_(False)
     if getattr(model.config, "_attn_implementation", None) != "sdpa":

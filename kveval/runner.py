@@ -141,13 +141,24 @@ def check_scales(ctx: RunContext) -> None:
             start, end = calibration_slice(n_tokens, ctx.cfg.calibration.tokens)
             header = {"corpus": ctx.cfg.data.source, "tokenizer": fp, "token_start": start, "token_end": end}
             check_overlap(header, ctx.cfg, n_tokens, fp, f"policy '{name}' (scales: auto)")
+            cal = ctx.cfg.calibration
+            if cal.method == "mse":
+                from kveval.quant import preset
+
+                target = preset(cal.target)
+                for spec in policy.all_specs():
+                    if policy.uses_static(spec) and (spec.format, spec.bits) != (target.format, target.bits):
+                        raise KvevalError(
+                            f"policy '{name}': calibration.method mse searches ranges for {cal.target}, the policy "
+                            f"uses {spec.describe()}; set calibration.target to match, or use absmax/percentile"
+                        )
         else:
             try:
                 sf = policy_scales(policy, ctx.model)
                 layers = ctx.info["num_layers"]
                 for i in range(layers):  # a format the file was not searched for fails here, not mid-run
                     layer_quantizers(policy, i, layers, sf)
-            except KvevalError as exc:
+            except (KvevalError, ValueError, IndexError, OSError) as exc:
                 raise KvevalError(f"policy '{name}': {exc}") from None
             check_overlap(sf.header, ctx.cfg, n_tokens, fp, f"policy '{name}': scales file {policy.scales}")
 
@@ -164,10 +175,14 @@ def resolve_auto_scales(ctx: RunContext) -> None:
     if not auto:
         return
     path = ctx.run.path / SCALES_FILE
+    fractions = {s.outliers for n in auto for s in ctx.policies[n].all_specs() if ctx.policies[n].uses_static(s)}
     if path.is_file():
         ctx.progress.log(f"calibration: reusing {path}")
     else:
-        calibrate(ctx.model, ctx.tokenizer, ctx.tokens(), ctx.cfg, path, ctx.progress)
+        try:
+            calibrate(ctx.model, ctx.tokenizer, ctx.tokens(), ctx.cfg, path, ctx.progress, outliers=fractions)
+        except OSError as exc:
+            raise KvevalError(f"cannot write the scales file {path}: {exc}") from None
     for name in auto:
         ctx.policies[name] = replace(ctx.policies[name], scales=str(path))
 

@@ -63,7 +63,13 @@ class ScalesFile:
                     f"scales file {self.path} was searched (mse) for {t.describe()}; the policy uses {spec.describe()}: "
                     "calibrate for that format, or use method absmax or percentile"
                 )
-        r = self.ranges(layer, kind, spec.granularity)
+        name = f"{kind}@{spec.outliers:g}" if spec.outliers else kind
+        if spec.outliers and f"{name}.tensor.absmax" not in self.tensors:
+            raise KvevalError(
+                f"scales file {self.path} has no ranges without {spec.outliers:g} outliers; calibrate with "
+                f"calibration.outliers: [{spec.outliers:g}] (scales: auto does this by itself)"
+            )
+        r = self.ranges(layer, name, spec.granularity)
         lo, hi = (-r.absmax, r.absmax) if spec.mapping == "symmetric" else (r.lo, r.hi)
         return qparams_from_range(lo, hi, spec)
 
@@ -126,7 +132,12 @@ def _load(path: str, _mtime: int, _size: int) -> ScalesFile:
         raise KvevalError(f"scales file '{path}' cannot be read ({exc}); recalibrate") from None
     if _META_KEY not in meta:
         raise KvevalError(f"'{path}' is not a kveval scales file (no '{_META_KEY}' header); write one with kveval calibrate")
-    header = json.loads(meta[_META_KEY])
+    try:
+        header = json.loads(meta[_META_KEY])
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise KvevalError(f"scales file '{path}' has an unreadable header; recalibrate")
     if header.get("format") != FORMAT_VERSION:
         raise KvevalError(f"scales file '{path}' has format {header.get('format')}, this kveval reads {FORMAT_VERSION}")
     missing = [f"{k}.{g}.{s}" for k in ("key", "value") for g in STATIC_GRANULARITIES for s in ("absmax", "lo", "hi")

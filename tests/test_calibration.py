@@ -40,13 +40,15 @@ def scales_for(model, tokenizer, model_name, path, **cal):
 @pytest.fixture(scope="module")
 def llama_scales(tiny_llama64, tmp_path_factory):
     model, tok = tiny_llama64
-    return scales_for(model, tok, "builtin:tiny-llama", tmp_path_factory.mktemp("s") / "llama.safetensors")
+    return scales_for(model, tok, "builtin:tiny-llama", tmp_path_factory.mktemp("s") / "llama.safetensors",
+                      outliers=[0.1])
 
 
 @pytest.fixture(scope="module")
 def gemma_scales(tiny_gemma3_64, tmp_path_factory):
     model, tok = tiny_gemma3_64
-    return scales_for(model, tok, "builtin:tiny-gemma3", tmp_path_factory.mktemp("s") / "gemma.safetensors")
+    return scales_for(model, tok, "builtin:tiny-gemma3", tmp_path_factory.mktemp("s") / "gemma.safetensors",
+                      outliers=[0.1])
 
 
 def test_scales_file_round_trip_and_header(tiny_llama64, llama_scales, tmp_path):
@@ -65,8 +67,14 @@ def test_scales_file_round_trip_and_header(tiny_llama64, llama_scales, tmp_path)
     spec = QuantSpec(bits=8, granularity="channel", scale_dtype="float32")
     r = sf.ranges(2, "value", "channel")
     assert torch.equal(sf.qparams(2, "value", spec).scale, qparams_from_range(-r.absmax, r.absmax, spec).scale)
+    # ranges of the dense part (outliers taken out, as a spec with outliers: 0.1 stores it) are tighter
+    assert h["outliers"] == [0.1]
+    assert (sf.tensors["key_pre_rope@0.1.channel.absmax"] <= sf.tensors["key_pre_rope.channel.absmax"]).all()
+    assert (sf.tensors["value@0.1.tensor.absmax"] < sf.tensors["value.tensor.absmax"]).all()
+    with pytest.raises(KvevalError, match=r"calibration.outliers: \[0.05\]"):
+        sf.qparams(0, "key", QuantSpec(bits=4, granularity="channel", outliers=0.05))
     # deterministic: a second calibration writes the same numbers
-    again = load_scales(scales_for(model, tok, "builtin:tiny-llama", tmp_path / "again.safetensors"))
+    again = load_scales(scales_for(model, tok, "builtin:tiny-llama", tmp_path / "again.safetensors", outliers=[0.1]))
     for name, t in sf.tensors.items():
         assert torch.equal(t, again.tensors[name]), name
 
@@ -151,7 +159,7 @@ def test_pre_rope_with_none_spec_is_the_identity(tiny_llama64):
 @torch.no_grad()
 def test_real_cache_bytes_equal_the_bill(name, tiny_llama, tmp_path):
     model, tok = tiny_llama
-    scales = scales_for(model, tok, "builtin:tiny-llama", tmp_path / "f32.safetensors")
+    scales = scales_for(model, tok, "builtin:tiny-llama", tmp_path / "f32.safetensors", outliers=[0.1])
     policy = POLICIES[name](scales)
     arch = Arch.from_model(model)
     ids = torch.randint(4, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
@@ -239,3 +247,23 @@ def test_cli_calibrate_writes_a_file_and_bad_input_is_one_line(tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     result = CliRunner().invoke(app, ["run", str(path)])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_pre_rope_refuses_a_rotary_form_it_cannot_invert(monkeypatch):
+    import sys
+
+    from kveval.models import load_model
+    from kveval.patch.attention import attention_modules
+
+    model, _ = load_model("builtin:tiny-llama")  # a fresh model: its layers have not been checked yet
+    modeling = sys.modules[type(attention_modules(model)[0]).__module__]
+
+    def other_form(q, k, cos, sin, unsqueeze_dim=1):  # pairs of neighbours instead of halves
+        c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * c + torch.roll(q, 1, -1) * s, k * c + torch.roll(k, 1, -1) * s
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", other_form)
+    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(KvevalError, match="rotate-half"):
+        with emulate(model, KVPolicy(key=QuantSpec(bits=4), pre_rope=True)), torch.no_grad():
+            model(ids)

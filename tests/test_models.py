@@ -262,3 +262,16 @@ def test_gguf_cache_path_key(tmp_path, monkeypatch):
     assert p1.parent == tmp_path / "c" / "models" and p1.name.startswith("m-")
     f.write_bytes(b"GGUF" + b"\1" * 100)
     assert gguf_cache_path(f) != p1
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama64", "tiny_gemma3_64"])
+def test_float64_models_normalise_in_float64(fixture, request):
+    """transformers' RMSNorm computes in float32; float64 models get it in float64 (kveval.patch.exact_norms)."""
+    import torch
+
+    model, _ = request.getfixturevalue(fixture)
+    norm = model.model.norm
+    x = torch.randn(3, 5, model.config.hidden_size, dtype=torch.float64) * 7.3
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + getattr(norm, "variance_epsilon", getattr(norm, "eps", 0)))
+    want = normed * (1 + norm.weight) if "Gemma" in type(norm).__name__ else norm.weight * normed
+    torch.testing.assert_close(norm(x), want, rtol=0, atol=1e-13)  # float32 inside would be ~1e-6 off

@@ -263,7 +263,7 @@ class QuantizedKVCache(Cache):
         if policy.pre_rope:
             track_rope(model)
         layers = [
-            QuantizedKVLayer(*layer_quantizers(policy, m.layer_idx, n, scales), policy,
+            QuantizedKVLayer(*layer_quantizers(policy, m.layer_idx, n, scales, model.device), policy,
                              is_sliding=m.layer_idx in sliding, module=m)
             for m in modules
         ]

@@ -178,7 +178,7 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
     states = []
     masks: dict = {}
     for module in modules:
-        k_q, v_q = layer_quantizers(policy, module.layer_idx, num_layers, scales)
+        k_q, v_q = layer_quantizers(policy, module.layer_idx, num_layers, scales, model.device)
         states.append(LayerEmulation(
             module.layer_idx, k_q, v_q, policy, base, prefill_len=prefill_len, diagnostics=diagnostics,
             mask_cache=masks,

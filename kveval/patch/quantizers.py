@@ -67,8 +67,10 @@ def policy_scales(policy: KVPolicy, model):
     return sf
 
 
-def layer_quantizers(policy: KVPolicy, layer: int, num_layers: int, scales=None) -> tuple[TensorQuantizer, TensorQuantizer]:
-    """(key, value) quantizers of one layer under ``policy``; ``scales`` from ``policy_scales``."""
+def layer_quantizers(policy: KVPolicy, layer: int, num_layers: int, scales=None,
+                     device: torch.device | str | None = None) -> tuple[TensorQuantizer, TensorQuantizer]:
+    """(key, value) quantizers of one layer under ``policy``; ``scales`` from ``policy_scales``; calibrated
+    parameters are moved to ``device`` (the model's)."""
     key_spec, value_spec = policy.specs_for_layer(layer, num_layers)
     out = []
     for kind, spec in (("key", key_spec), ("value", value_spec)):
@@ -76,5 +78,7 @@ def layer_quantizers(policy: KVPolicy, layer: int, num_layers: int, scales=None)
         qp = None
         if scales is not None and policy.uses_static(spec):
             qp = scales.qparams(layer, "key_pre_rope" if pre else kind, spec)
+            if device is not None:
+                qp = QParams(qp.scale.to(device), None if qp.zero_point is None else qp.zero_point.to(device))
         out.append(TensorQuantizer(spec, qp, pre))
     return out[0], out[1]

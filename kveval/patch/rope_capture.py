@@ -8,6 +8,8 @@ holds no other state), and ``rope_of(module)`` reads it during the same forward 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kveval.errors import KvevalError
@@ -45,4 +47,28 @@ def rope_of(module: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, torch
     if cos.shape[-1] != head_dim:
         raise KvevalError(f"{type(module).__name__}: rotary dimension {cos.shape[-1]} != head_dim {head_dim}; "
                           "pre_rope supports full-dimension RoPE only")
+    _check_rotate_half_form(module, cos, sin)
     return cos, sin
+
+
+def _check_rotate_half_form(module, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Once per module: kveval's ``rotate`` must reproduce the model's own ``apply_rotary_pos_emb`` (models that
+    interleave the pairs, or rotate differently, are refused instead of being inverted wrongly)."""
+    if getattr(module, "_kveval_rope_checked", False):
+        return
+    from kveval.rope import rotate
+
+    name = type(module).__name__
+    fn = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+    if fn is None:
+        raise KvevalError(f"{name}: no apply_rotary_pos_emb found next to it; pre_rope cannot check this model's RoPE")
+    c, s = cos[:1, :8], sin[:1, :8]
+    x = torch.randn(1, 1, c.shape[1], c.shape[-1], generator=torch.Generator().manual_seed(0)).to(c)
+    try:
+        ref = fn(x, x, c, s)[1]
+    except (TypeError, RuntimeError, ValueError):
+        raise KvevalError(f"{name}: its apply_rotary_pos_emb has an unexpected form; pre_rope cannot invert it") from None
+    if not torch.allclose(ref, rotate(x, c, s), rtol=1e-4, atol=1e-5):
+        raise KvevalError(f"{name}: its rotary embedding is not the rotate-half form kveval inverts (interleaved?); "
+                          "pre_rope is not supported for this model")
+    module._kveval_rope_checked = True

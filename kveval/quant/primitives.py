@@ -291,6 +291,8 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> Q
     if lo.dim() != want:
         raise ValueError(f"{spec.granularity} ranges must have {want} dimension(s); got shape {tuple(lo.shape)}")
     _check_finite(lo, hi)
+    if bool((lo > hi).any()):
+        raise ValueError("static range has lo > hi; calibrate with a percentile of at least 50")
     spec = dataclasses.replace(spec, static_scale=None)  # the calibrated range replaces a fixed scale
     shape = {0: (1, 1, 1, 1), 1: (1, -1, 1, 1), 2: (1, lo.shape[0] if lo.dim() == 2 else 1, 1, -1)}[want]
     cdt = torch.float64 if lo.dtype == torch.float64 else torch.float32
@@ -368,8 +370,8 @@ def quantize(
     else:
         _check_qparams(qparams, spec, shape, cb)
         _check_finite(*_minmax(xc, None))
-    s_all = qparams.scale.to(cdt)
-    zp_all = None if qparams.zero_point is None else qparams.zero_point.to(cdt)
+    s_all = qparams.scale.to(device=xc.device, dtype=cdt)
+    zp_all = None if qparams.zero_point is None else qparams.zero_point.to(device=xc.device, dtype=cdt)
     parts = []
     for xv, _, sl in _segments(xc, spec, cb):
         zp = None if zp_all is None else zp_all[:, :, sl]
@@ -391,8 +393,11 @@ def _quantize_static(x: torch.Tensor, spec: QuantSpec, qp: QParams) -> Quantized
     xc = x.to(cdt)
     if xc.numel():
         _check_finite(*_minmax(xc, None))
-    zp = None if qp.zero_point is None else qp.zero_point.to(cdt)
-    q = _codes(xc, qp.scale.to(cdt), zp, spec)
+    if (qp.zero_point is None) != (spec.mapping == "symmetric"):
+        raise ValueError(f"qparams.zero_point must be {'None' if spec.mapping == 'symmetric' else 'given'} "
+                         f"for mapping {spec.mapping!r}")
+    zp = None if qp.zero_point is None else qp.zero_point.to(device=xc.device, dtype=cdt)
+    q = _codes(xc, qp.scale.to(device=xc.device, dtype=cdt), zp, spec)
     codes = q if spec.is_fp8 else q.to(_codes_dtype(spec))
     return QuantizedTensor(codes, qp.scale, qp.zero_point, spec, x.shape, x.dtype, None, static=True)
 
@@ -425,8 +430,8 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     cdt = _compute_dtype(qt.dtype, spec)
     if qt.static:
         q = _fp8_to_float(qt.codes, out=torch.empty(shape, dtype=cdt)) if spec.is_fp8 else qt.codes.to(cdt)
-        zp = None if qt.zero_point is None else qt.zero_point.to(cdt)
-        return _recon(q, qt.scale.to(cdt), zp, spec).to(qt.dtype)
+        zp = None if qt.zero_point is None else qt.zero_point.to(device=q.device, dtype=cdt)
+        return _recon(q, qt.scale.to(device=q.device, dtype=cdt), zp, spec).to(qt.dtype)
     if spec.ggml is not None:
         q = _segments(qt.codes, spec, None)[0][0].to(torch.float32)
         return ggml_dequantize_blocks(q, qt.scale, qt.zero_point).reshape(shape).to(qt.dtype)

@@ -136,6 +136,8 @@ def test_rope_inverse_and_worked_example():
     theta = torch.rand(2, 5, 4, dtype=torch.float64) * 2 * math.pi
     c, s = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)
     torch.testing.assert_close(unrotate(rotate(y, c, s), c, s), y, rtol=0, atol=1e-14)
+    # RoPE variants that scale cos and sin (YaRN's attention_scaling): the inverse still recovers x
+    torch.testing.assert_close(unrotate(rotate(y, 1.3 * c, 1.3 * s), 1.3 * c, 1.3 * s), y, rtol=0, atol=1e-13)
     # a rotation keeps each pair's norm
     r = rotate(y, c, s)
     torch.testing.assert_close(r[..., :4] ** 2 + r[..., 4:] ** 2, y[..., :4] ** 2 + y[..., 4:] ** 2)

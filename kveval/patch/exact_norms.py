@@ -1,0 +1,47 @@
+"""RMSNorm in float64 for float64 models.
+
+transformers' Llama-family and Gemma RMSNorm layers compute in float32 whatever the model's dtype
+(``hidden_states.to(torch.float32)`` / ``x.float()``). In a float64 model that float32 step is the largest rounding
+left: a single pass over T tokens and token-by-token decoding then differ by ~1e-5 in the logits (measured on the
+builtin model in float64 with transformers' own DynamicCache, from token 46 on), which would set the float64 noise
+floor. ``make_norms_exact(model)`` replaces the forward of those layers by the same formula in the input's dtype:
+
+* Llama style (``variance_epsilon``): ``weight * x / sqrt(mean(x²) + eps)``;
+* Gemma style (``eps``, class name with "Gemma"): ``x / sqrt(mean(x²) + eps) * (1 + weight)``.
+
+Other norm classes are left alone. Only called for float64 models (in float32 and below the stock code is exact
+to its dtype already).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def _llama_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _gemma_forward(self, x: torch.Tensor) -> torch.Tensor:
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    return normed * (1.0 + self.weight)
+
+
+def make_norms_exact(model: torch.nn.Module) -> int:
+    """Patch every recognised RMSNorm of ``model`` to compute in its input's dtype; returns how many."""
+    n = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if not name.endswith("RMSNorm") or not hasattr(module, "weight"):
+            continue
+        if "Gemma" in name and hasattr(module, "eps"):
+            module.forward = types.MethodType(_gemma_forward, module)
+        elif hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_llama_forward, module)
+        else:
+            continue
+        n += 1
+    return n
