@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,10 +97,15 @@ def run_experiment(
         check = getattr(runners[entry.kind], "check", None)
         if check is not None:
             check(ctx, entry.params)
-    check_scales(ctx)
+    scales_used = check_scales(ctx)
+    check_scales_unchanged(out_dir, scales_used, overwrite=overwrite)
     plan = read_plan(cfg.plan)
 
     run = ctx.run = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite)
+    if scales_used:
+        from kveval.results import atomic_write_json
+
+        atomic_write_json(run.path / SCALES_USED_FILE, scales_used)
     run.repair()
     resolve_auto_scales(ctx)
     started = now()
@@ -123,9 +129,39 @@ def run_experiment(
     return metrics
 
 
-def check_scales(ctx: RunContext) -> None:
+SCALES_USED_FILE = "scales_used.json"
+
+
+def check_scales_unchanged(out_dir, scales_used: dict, *, overwrite: bool) -> None:
+    """A resumed run whose ``scales: FILE`` changed since its records were written would mix two calibrations:
+    refuse it (or, with ``overwrite``, start the folder afresh)."""
+    import json
+    import shutil
+
+    path = Path(out_dir) / SCALES_USED_FILE
+    if not path.is_file():
+        return
+    try:
+        before = json.loads(path.read_text())
+    except ValueError:
+        before = None
+    changed = [n for n, h in scales_used.items() if isinstance(before, dict) and before.get(n, h) != h]
+    if not changed and isinstance(before, dict):
+        return
+    if overwrite:
+        shutil.rmtree(out_dir)
+        return
+    what = f"policy '{changed[0]}': its scales file" if changed else "the record of the scales files"
+    raise KvevalError(f"{out_dir}: {what} changed since this run's records were written; rerun with --overwrite "
+                      "to start afresh, or set output: to another folder")
+
+
+def check_scales(ctx: RunContext) -> dict:
     """Scales files that policies name exist, fit the model and were not calibrated on the evaluated tokens;
-    ``scales: auto`` has a calibration slice that fits the corpus and is disjoint from the evaluation."""
+    ``scales: auto`` has a calibration slice that fits the corpus and is disjoint from the evaluation.
+    Returns ``{policy: sha256 of its scales file}`` for the policies that name a file."""
+    import hashlib
+
     from kveval.calibration import calibration_slice, check_overlap
     from kveval.data import tokenizer_fingerprint
     from kveval.patch.quantizers import layer_quantizers, policy_scales
@@ -133,7 +169,8 @@ def check_scales(ctx: RunContext) -> None:
 
     users = {n: p for n, p in ctx.policies.items() if p.needs_scales_file()}
     if not users:
-        return
+        return {}
+    used = {}
     n_tokens = len(ctx.tokens())
     fp = tokenizer_fingerprint(ctx.tokenizer)
     for name, policy in users.items():
@@ -161,6 +198,8 @@ def check_scales(ctx: RunContext) -> None:
             except (KvevalError, ValueError, IndexError, OSError) as exc:
                 raise KvevalError(f"policy '{name}': {exc}") from None
             check_overlap(sf.header, ctx.cfg, n_tokens, fp, f"policy '{name}': scales file {policy.scales}")
+            used[name] = hashlib.sha256(Path(policy.scales).read_bytes()).hexdigest()
+    return used
 
 
 def resolve_auto_scales(ctx: RunContext) -> None:

@@ -267,3 +267,24 @@ def test_pre_rope_refuses_a_rotary_form_it_cannot_invert(monkeypatch):
     with pytest.raises(KvevalError, match="rotate-half"):
         with emulate(model, KVPolicy(key=QuantSpec(bits=4), pre_rope=True)), torch.no_grad():
             model(ids)
+
+
+def test_a_scales_file_changed_under_a_resumed_run_is_refused(tmp_path):
+    from kveval.models import load_model
+
+    model, tok = load_model("builtin:tiny-llama")
+    scales = scales_for(model, tok, "builtin:tiny-llama", tmp_path / "s.safetensors")
+    out = tmp_path / "run"
+    cfg = cfg_for("builtin:tiny-llama", out)
+    cfg["kv"] = {"policies": {"static": {"preset": "trtllm_int8", "scales": str(scales)}}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert CliRunner().invoke(app, ["run", str(path), "-q"]).exit_code == 0
+    before = (out / "records.jsonl").read_text()
+    scales_for(model, tok, "builtin:tiny-llama", scales, method="percentile", percentile=99.0)  # recalibrated
+    result = CliRunner().invoke(app, ["run", str(path), "-q"])
+    assert result.exit_code == 2 and "changed since this run's records" in result.output
+    assert (out / "records.jsonl").read_text() == before, "nothing recorded is lost"
+    result = CliRunner().invoke(app, ["run", str(path), "-q", "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert (out / "records.jsonl").read_text() != before  # recomputed with the new scales
