@@ -275,3 +275,28 @@ def test_float64_models_normalise_in_float64(fixture, request):
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + getattr(norm, "variance_epsilon", getattr(norm, "eps", 0)))
     want = normed * (1 + norm.weight) if "Gemma" in type(norm).__name__ else norm.weight * normed
     torch.testing.assert_close(norm(x), want, rtol=0, atol=1e-13)  # float32 inside would be ~1e-6 off
+
+
+def test_exact_norms_leave_other_formulas_alone():
+    import torch
+
+    from kveval.patch.exact_norms import make_norms_exact
+
+    class OddRMSNorm(torch.nn.Module):  # has the Llama attribute but another formula
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8, dtype=torch.float64))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return x * self.weight
+
+    class LlamaLikeRMSNorm(OddRMSNorm):
+        def forward(self, x):
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * h.to(x.dtype)
+
+    model = torch.nn.Sequential(OddRMSNorm(), LlamaLikeRMSNorm())
+    assert make_norms_exact(model) == 1
+    assert "forward" not in vars(model[0]) and "forward" in vars(model[1])

@@ -9,8 +9,9 @@ floor. ``make_norms_exact(model)`` replaces the forward of those layers by the s
 * Llama style (``variance_epsilon``): ``weight * x / sqrt(mean(x²) + eps)``;
 * Gemma style (``eps``, class name with "Gemma"): ``x / sqrt(mean(x²) + eps) * (1 + weight)``.
 
-Other norm classes are left alone. Only called for float64 models (in float32 and below the stock code is exact
-to its dtype already).
+Before patching a layer, the float64 formula is checked against the layer's own forward on a random input (to
+float32 precision); a layer whose formula differs (another RMSNorm variant) is left alone, as are other norm
+classes. Only called for float64 models (in float32 and below the stock code is exact to its dtype already).
 """
 
 from __future__ import annotations
@@ -38,10 +39,23 @@ def make_norms_exact(model: torch.nn.Module) -> int:
         if not name.endswith("RMSNorm") or not hasattr(module, "weight"):
             continue
         if "Gemma" in name and hasattr(module, "eps"):
-            module.forward = types.MethodType(_gemma_forward, module)
+            exact = types.MethodType(_gemma_forward, module)
         elif hasattr(module, "variance_epsilon"):
-            module.forward = types.MethodType(_llama_forward, module)
+            exact = types.MethodType(_llama_forward, module)
         else:
             continue
-        n += 1
+        if _same_formula(module, exact):
+            module.forward = exact
+            n += 1
     return n
+
+
+@torch.no_grad()
+def _same_formula(module: torch.nn.Module, exact) -> bool:
+    """Whether ``exact`` computes what the layer's own forward computes (up to its float32 rounding)."""
+    weight = module.weight
+    x = torch.randn(2, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+    try:
+        return torch.allclose(module.forward(x), exact(x), rtol=1e-5, atol=1e-6)
+    except (RuntimeError, TypeError, ValueError):
+        return False
