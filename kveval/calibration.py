@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -75,15 +76,12 @@ def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=())
     windows = [tokens[i:i + cal.seq_len] for i in range(0, len(tokens), cal.seq_len)]
     windows = [w for w in windows if len(w) >= 2]
     target = preset(cal.target) if cal.target else None
-    with collect_kv(model) as collected:
-        if progress is None:
-            for w in windows:
-                model(w[None].to(model.device))
-        else:
-            with progress.task("calibrate: forward", total=len(windows), unit="tok") as advance:
-                for w in windows:
-                    model(w[None].to(model.device))
-                    advance(len(w))
+    task = progress.task("calibrate: forward", total=len(windows), unit="tok") if progress else nullcontext(None)
+    with collect_kv(model) as collected, task as advance:
+        for w in windows:
+            model(w[None].to(model.device))
+            if advance is not None:
+                advance(len(w))
         n_layers = len(collected.layers)
         out: dict = {}
         for layer in range(n_layers):

@@ -14,7 +14,7 @@ import torch
 
 from kveval.errors import KvevalError
 from kveval.patch import attention as attn
-from kveval.patch.rope_capture import track_rope
+from kveval.patch.rope_capture import captured_rope, track_rope
 from kveval.rope import unrotate
 
 
@@ -35,9 +35,9 @@ class LayerCollector:
     def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
         self.parts["key"].append(_tokens_first(key))
         self.parts["value"].append(_tokens_first(value))
-        pe = getattr(module, "_kveval_rope", None)
-        if isinstance(pe, (tuple, list)) and len(pe) == 2 and pe[0].shape[-1] == key.shape[-1]:
-            self.parts["key_pre_rope"].append(_tokens_first(unrotate(key, *pe)))
+        rope = captured_rope(module, key.shape[-1])
+        if rope is not None:
+            self.parts["key_pre_rope"].append(_tokens_first(unrotate(key, *rope)))
         return attn.stock_attention(module, self.implementation)(module, query, key, value, attention_mask, *args,
                                                                  **kwargs)
 

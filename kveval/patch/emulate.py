@@ -113,26 +113,22 @@ class LayerEmulation:
         if not self.policy.has_full_precision_tokens(self.prefill_len):
             return stock(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
         fp = self.visibility(T, key.device)
-        P = self.prefill_len if self.policy.prefill == "fp" else 0
-        if 0 < P < T:
-            # prompt queries see only full-precision keys: the model's own attention over the prompt (its mask,
-            # or none: causal), and the mixed [k ; k̂] attention for the decoded queries alone
+        # with an FP prefill, the P prompt queries see only full-precision keys: they run the model's own attention
+        # over the prompt (its mask, or none: causal) and only the decoded queries attend over [k ; k̂]
+        P = self.prefill_len if self.policy.prefill == "fp" and self.prefill_len < T else 0
+        if P:
             head = None if attention_mask is None else attention_mask[..., :P, :P]
             out_p, _ = stock(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)
-            rows = None if attention_mask is None else attention_mask[..., P:, :]
-            allowed = attn.allowed_mask(rows, T - P, T, key.device)  # [.., T - P, T]
-            mixed = torch.cat([allowed & fp[P:], allowed & ~fp[P:]], dim=-1)
-            mixed = attn.inner_mask(mixed, self.implementation, query.dtype)
-            keys = torch.cat([key, k_hat], dim=-2)
-            values = torch.cat([value, v_hat], dim=-2)
-            out_d, _ = stock(module, query[:, :, P:], keys, values, mixed, *args, **kwargs)
-            return torch.cat([out_p, out_d], dim=1), None  # outputs are [batch, T, heads, head_dim]
-        allowed = attn.allowed_mask(attention_mask, T, T, key.device)
-        mask = torch.cat([allowed & fp, allowed & ~fp], dim=-1)
+        rows = None if attention_mask is None else attention_mask[..., P:, :]
+        allowed = attn.allowed_mask(rows, T - P, T, key.device)  # [.., T - P, T]
+        mask = torch.cat([allowed & fp[P:], allowed & ~fp[P:]], dim=-1)
         mask = attn.inner_mask(mask, self.implementation, query.dtype)
         keys = torch.cat([key, k_hat], dim=-2)
         values = torch.cat([value, v_hat], dim=-2)
-        return stock(module, query, keys, values, mask, *args, **kwargs)
+        out = stock(module, query[:, :, P:], keys, values, mask, *args, **kwargs)
+        if not P:
+            return out
+        return torch.cat([out_p, out[0]], dim=1), None  # outputs are [batch, T, heads, head_dim]
 
 
 class Emulation:

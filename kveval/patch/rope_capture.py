@@ -36,6 +36,14 @@ def track_rope(model: torch.nn.Module) -> list[torch.nn.Module]:
     return modules
 
 
+def captured_rope(module: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(cos, sin)`` of the current forward call when the layer received a full-dimension rotary embedding."""
+    pe = getattr(module, _ATTR, None)
+    if isinstance(pe, (tuple, list)) and len(pe) == 2 and pe[0].shape[-1] == head_dim:
+        return pe[0], pe[1]
+    return None
+
+
 def rope_of(module: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` ``[batch, T, head_dim]`` of the current forward call of ``module``."""
     pe = getattr(module, _ATTR, None)
