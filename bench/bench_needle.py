@@ -19,9 +19,9 @@ import time
 import torch
 
 from kveval.models import load_model
-from kveval.needle_prompts import PASSKEY_FILLER, SentenceTokens, exact_match, split_sentences
 from kveval.policy import KVPolicy
-from kveval.tasks.needle import Params, generate_answer, score_answer, trial_prompt
+from kveval.tasks.needle.prompts import PASSKEY_FILLER, SentenceTokens, exact_match, split_sentences
+from kveval.tasks.needle.task import Params, generate_answer, score_answer, trial_prompt
 
 
 def main() -> None:

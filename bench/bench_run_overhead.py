@@ -15,11 +15,11 @@ import time
 
 import torch
 
+from kveval.commands.run import run_experiment
 from kveval.config import load_config
 from kveval.data import load_tokens, token_windows
 from kveval.models import load_model
 from kveval.patch import emulate
-from kveval.runner import run_experiment
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ import torch
 
 from kveval.data import load_tokens
 from kveval.models import load_model
-from kveval.policy import parse_layer_selector
-from kveval.scan import baseline_prefix, cell_policy, naive_logits, replay
-from kveval.tasks.sensitivity import baseline_terms, compare
+from kveval.policy.selectors import layers_of
+from kveval.tasks.sensitivity.scan import baseline_prefix, cell_policy, naive_logits, replay
+from kveval.tasks.sensitivity.task import baseline_terms, compare
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     model, tok = load_model(args.model)
     ids = load_tokens("builtin", tok)[: args.tokens][None]
     n = model.config.num_hidden_layers
-    cells = [(i, t) for i in parse_layer_selector(args.layers, n) for t in ("key", "value")]
+    cells = [(i, t) for i in layers_of(args.layers, n) for t in ("key", "value")]
     targets = ids[0, 1:]
 
     def base_of(prefix):

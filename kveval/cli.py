@@ -54,8 +54,8 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
 ):
     """Evaluate the config's KV policies against the full-precision baseline; write results/<name>/."""
+    from kveval.commands.run import run_experiment
     from kveval.config import load_config
-    from kveval.runner import run_experiment
 
     cfg = load_config(config, overrides)
     run_experiment(cfg, overwrite=overwrite, quiet=quiet, config_path=str(config))
@@ -70,7 +70,7 @@ def calibrate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
 ):
     """Static K/V scales from a calibration slice (the corpus tail): a scales file that policies use as scales: FILE."""
-    from kveval.calibration import calibrate_command
+    from kveval.commands.calibrate import calibrate_command
 
     calibrate_command(str(config), overrides, out=None if out is None else str(out), quiet=quiet)
 
@@ -85,7 +85,7 @@ def scan(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
 ):
     """Per-layer, per-K/V sensitivity: quantize one tensor at a time, measure KLD and ΔPPL against FP."""
-    from kveval.scan import scan_command
+    from kveval.commands.scan import scan_command
 
     scan_command(str(config), overrides, naive=naive, overwrite=overwrite, quiet=quiet)
 
@@ -100,7 +100,7 @@ def plan(
     allow_fp: Annotated[bool, typer.Option(help="Allow full precision (none) as a per-layer choice.")] = False,
 ):
     """Mixed precision under a memory budget, from a scan: writes a ready-to-run config."""
-    from kveval.planner import plan_command
+    from kveval.commands.plan import plan_command
 
     plan_command(str(scan_dir), budget, str(out) if out else None, context=context, allow_fp=allow_fp)
 
@@ -118,7 +118,7 @@ def lm_eval(
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
 ):
     """Run lm-evaluation-harness with a KV policy: kveval lm-eval --kv int4_g64 -- --tasks ... --limit ..."""
-    from kveval.lmeval_bridge import lm_eval_command
+    from kveval.commands.lm_eval import lm_eval_command
 
     raise typer.Exit(lm_eval_command(kv, model, dtype, device, list(ctx.args)))
 
@@ -154,7 +154,7 @@ def memory(
     json_output: Annotated[bool, typer.Option("--json", help="Print the documented JSON schema instead of a table.")] = False,
 ):
     """The exact memory bill of KV policies: codes, scales, full-precision windows, max batch, paged blocks."""
-    from kveval.memory_report import memory_command
+    from kveval.commands.memory import memory_command
 
     print(memory_command(
         model=model, shape=shape, layers=layers, kv_heads=kv_heads, head_dim=head_dim, context=context, batch=batch,
@@ -179,11 +179,12 @@ def report(
 @user_errors
 def list_things():
     """List the KV policy presets, quantizer presets, tasks, builtin models and corpora."""
-    from kveval.config import TASK_TYPES, task_presets
+    from kveval.config import TASK_TYPES
     from kveval.data import builtin_corpora
     from kveval.models import builtin_models
-    from kveval.policy import POLICY_DESCRIPTIONS
+    from kveval.policy.presets import policy_descriptions
     from kveval.quant import preset, preset_names
+    from kveval.tasks import task_presets
 
     console = Console()
 
@@ -196,7 +197,7 @@ def list_things():
         console.print(t)
         console.print()
 
-    table("KV policies (kv: NAME)", list(POLICY_DESCRIPTIONS.items()))
+    table("KV policies (kv: NAME)", list(policy_descriptions().items()))
     table("Quantizer presets (key:/value:/spec: NAME, also usable as a policy)", [(n, preset(n).describe()) for n in preset_names()])
     task_rows = [(k, (v.__doc__ or "").strip().splitlines()[0]) for k, v in TASK_TYPES.items()]
     task_rows += [(name, f"preset: {path.name}") for name, path in task_presets().items()]

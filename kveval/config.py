@@ -33,9 +33,7 @@ from pydantic import BaseModel, Field, ValidationError, create_model, field_vali
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
 from kveval.schema import Strict
-from kveval.tasks import TASKS
-
-TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
+from kveval.tasks import TASKS, task_presets
 
 
 class ModelConfig(Strict):
@@ -219,13 +217,8 @@ def _normalise(raw: dict) -> dict:
     return raw
 
 
-def task_presets() -> dict[str, Path]:
-    """Task presets shipped in ``tasks/``: name -> file."""
-    return {p.stem: p for p in sorted(TASKS_DIR.glob("*.yaml"))} if TASKS_DIR.is_dir() else {}
-
-
 def _expand_task(entry: Any, index: int) -> Any:
-    """``"perplexity"`` -> ``{perplexity: {}}``; a preset name (a file in tasks/) -> its contents;
+    """``"perplexity"`` -> ``{perplexity: {}}``; a preset name (a file in kveval/tasks/presets/) -> its contents;
     ``{preset: NAME, ...}`` -> the preset with the given fields overriding its parameters."""
     if isinstance(entry, str):
         if entry in TASK_TYPES:

@@ -7,3 +7,12 @@ class KvevalError(Exception):
     The message is one line that names what is wrong and what to do about it. The CLI prints it without a
     traceback and exits with status 2; library callers can catch it like any other exception.
     """
+
+
+def did_you_mean(word: object, choices, prefix: str = "; did you mean ") -> str:
+    """The "did you mean" suffix of every unknown-name error: ``"; did you mean 'seq_len'?"`` for the closest of
+    ``choices`` to ``word``, or ``""`` when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f"{prefix}'{close[0]}'?" if close else ""

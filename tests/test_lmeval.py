@@ -23,12 +23,13 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from kveval.commands.lm_eval import lm_eval_command  # noqa: E402
 from kveval.config import validate  # noqa: E402
 from kveval.errors import KvevalError  # noqa: E402
-from kveval.lmeval_bridge import KVEvalLM, lm_eval_command, model_args_string, resolve_policy  # noqa: E402
 from kveval.patch import emulate  # noqa: E402
 from kveval.policy import KVPolicy  # noqa: E402
-from kveval.tasks import lm_eval as lm_eval_task  # noqa: E402
+from kveval.tasks.lm_eval import task as lm_eval_task  # noqa: E402
+from kveval.tasks.lm_eval.bridge import KVEvalLM, model_args_string, resolve_policy  # noqa: E402
 
 TASKS_DIR = Path(__file__).resolve().parent / "lmeval_tasks"
 MC, GEN = "kveval_facts_mc", "kveval_qa_gen"
@@ -180,7 +181,7 @@ def test_metric_names():
 
 
 def run_config(tmp_path, **lm_eval_params):
-    from kveval.runner import run_experiment
+    from kveval.commands.run import run_experiment
 
     raw = {
         "name": "lmeval_t", "model": "builtin:tiny-llama", "kv": ["int2_g32"], "output": str(tmp_path / "run"),

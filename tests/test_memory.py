@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
+from kveval.commands.memory import memory_command
 from kveval.errors import KvevalError
 from kveval.memory import Arch, block_bytes, fp16_bytes, kv_bytes, max_batch, max_context, paging
-from kveval.memory_report import (
-    memory_command,
+from kveval.memory.table import (
     memory_json,
     memory_rows,
     parse_size,
@@ -309,7 +309,7 @@ def test_bad_input_is_one_line(call):
 
 
 def test_memory_module_does_not_import_transformers():
-    code = "import sys, kveval.memory, kveval.memory_report; print('transformers' in sys.modules)"
+    code = "import sys, kveval.memory, kveval.memory.table; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kveval.commands.run import run_experiment
 from kveval.config import validate
 from kveval.errors import KvevalError
-from kveval.needle_prompts import (
+from kveval.policy import KVPolicy
+from kveval.tasks.needle import task as needle
+from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
     SentenceTokens,
     build_prompt,
@@ -19,10 +22,7 @@ from kveval.needle_prompts import (
     split_sentences,
     trial_rng,
 )
-from kveval.policy import KVPolicy
-from kveval.runner import run_experiment
-from kveval.tasks import needle
-from kveval.tasks.needle import Params, aggregate, generate_answer, plot_needle, score_answer, trial_prompt
+from kveval.tasks.needle.task import Params, aggregate, generate_answer, plot_needle, score_answer, trial_prompt
 
 CORPUS = (
     "The interpreter reads a line of input. It then parses the line into a syntax tree!\n\n"

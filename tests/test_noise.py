@@ -2,8 +2,8 @@
 
 import json
 
+from kveval.commands.run import run_experiment
 from kveval.config import Threshold, validate
-from kveval.runner import run_experiment
 from kveval.tasks.perplexity import verdict
 
 

@@ -9,11 +9,12 @@ import random
 import pytest
 import yaml
 
+from kveval.commands.plan import plan_command
 from kveval.config import load_config
 from kveval.errors import KvevalError
 from kveval.memory import Arch, fp16_bytes, kv_bytes
-from kveval.planner import Budget, parse_budget, plan, plan_command, solve
 from kveval.quant import preset
+from kveval.tasks.sensitivity.planner import Budget, parse_budget, plan, solve
 
 
 def brute_force(items, capacity):
@@ -101,7 +102,7 @@ def fake_scan(layers=4, kv_heads=2, head_dim=64, seq_len=64, seed=0):
 
 
 def _brute_plan(metrics, capacity, specs):
-    from kveval.planner import candidate_costs
+    from kveval.tasks.sensitivity.planner import candidate_costs
 
     arch = Arch(**metrics["memory"]["arch"])
     ctx = metrics["sensitivity"]["seq_len"]
@@ -186,9 +187,9 @@ def test_plan_command_writes_a_runnable_config(tmp_path, capsys):
 
 def test_run_of_a_planned_config_reports_predicted_against_measured(tmp_path, capsys):
     test_plan_command_writes_a_runnable_config(tmp_path, capsys)
-    from kveval.report.load import load
+    from kveval.commands.run import run_experiment
     from kveval.report.tables import plan_table
-    from kveval.runner import run_experiment
+    from kveval.results.read import load
 
     out = tmp_path / "run"
     cfg = load_config(tmp_path / "gen" / "plan.yaml", ["tasks[0].perplexity.max_tokens=128", f"output={out}",

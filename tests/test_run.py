@@ -14,10 +14,10 @@ import yaml
 from typer.testing import CliRunner
 
 from kveval.cli import app
+from kveval.commands.run import run_experiment
 from kveval.config import validate
 from kveval.data import load_tokens, token_windows
 from kveval.models import load_model
-from kveval.runner import run_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 

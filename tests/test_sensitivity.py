@@ -7,12 +7,19 @@ import json
 import pytest
 import torch
 
+from kveval.commands.run import run_experiment
+from kveval.commands.scan import scan_command
 from kveval.config import load_config, validate
 from kveval.errors import KvevalError
-from kveval.runner import run_experiment
-from kveval.scan import baseline_prefix, cell_policy, naive_logits, replay, scan_command, verify_replay
 from kveval.tasks import TASKS
-from kveval.tasks.sensitivity import Params
+from kveval.tasks.sensitivity.scan import (
+    baseline_prefix,
+    cell_policy,
+    naive_logits,
+    replay,
+    verify_replay,
+)
+from kveval.tasks.sensitivity.task import Params
 
 
 def _ids(model, n=48, seed=0):
@@ -127,7 +134,7 @@ def test_scan_params_and_input_errors(tmp_path):
 
 def test_compare_matches_stats_compare_logits():
     from kveval.stats import compare_logits
-    from kveval.tasks.sensitivity import baseline_terms, compare
+    from kveval.tasks.sensitivity.task import baseline_terms, compare
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(20, 300, generator=g) * 3

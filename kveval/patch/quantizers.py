@@ -58,8 +58,8 @@ def policy_scales(policy: KVPolicy, model):
         raise KvevalError(
             f"policy '{policy.name}': scales: auto is calibrated by kveval run; outside a run pass a scales file path"
         )
+    from kveval.calibration.scales_file import load_scales
     from kveval.models import model_info
-    from kveval.scales import load_scales
 
     sf = load_scales(policy.scales)
     info = model_info(model)

@@ -6,14 +6,14 @@
     report_command(["results/int4_g64"])  # report.md, report.html, tables/*.csv, plots/*.png in the run folder
 
 The loader is imported eagerly (pandas, yaml); the plotting side lazily, so that loading results does not import
-matplotlib. (``kveval.report.load`` names the function ``load``; the module is ``sys.modules["kveval.report.load"]``.)
+matplotlib. (``kveval.results.read`` names the function ``load``; the module is ``sys.modules["kveval.results.read"]``.)
 """
 
 from __future__ import annotations
 
 import importlib
 
-from kveval.report.load import RunResults, load, read_metrics
+from kveval.results.read import RunResults, load, read_metrics
 
 _EXPORTS = {
     "report_command": "kveval.report.render",

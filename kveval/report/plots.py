@@ -1,4 +1,4 @@
-"""The report's figures, from loaded results (:func:`kveval.report.load`); matplotlib, no pyplot state.
+"""The report's figures, from loaded results (:func:`kveval.results.read`); matplotlib, no pyplot state.
 
 Every function takes one :class:`RunResults` (or a list, for the cross-run plot) and returns a
 ``matplotlib.figure.Figure``, or ``None`` when the run holds nothing to draw (a task that did not run). In a
@@ -19,7 +19,7 @@ from matplotlib.colors import LogNorm, TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from kveval.report.load import BASELINE, RunResults
+from kveval.results.read import BASELINE, RunResults
 
 # Okabe & Ito (2008), "Color Universal Design": black first for the baseline
 OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#000000"]

@@ -23,7 +23,7 @@ import pandas as pd
 
 from kveval.errors import KvevalError
 from kveval.report import plots, tables
-from kveval.report.load import BASELINE, RunResults, load
+from kveval.results.read import BASELINE, RunResults, load
 
 CAPTIONS = {
     "quality_vs_memory": "Quality against memory: one point per policy; dashed: the Pareto front (no other policy "

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from kveval.calibration.ranges import calibrate_ranges, mse_ranges, percentile_ranges
 from kveval.quant import (
     QuantSpec,
     dequantize,
@@ -15,7 +16,6 @@ from kveval.quant import (
     quantize,
     split_outliers,
 )
-from kveval.quant.calibrate import calibrate_ranges, mse_ranges, percentile_ranges
 from kveval.rope import rotate, unrotate
 
 

@@ -5,7 +5,7 @@ A scales file is a safetensors file with float32 tensors named ``{kind}.{granula
 * kind: ``key`` (post-RoPE, as the cache sees keys), ``key_pre_rope`` (before the rotary embedding; rotary
   models only) and ``value``;
 * granularity: ``tensor`` ``[layers]``, ``head`` ``[layers, kv_heads]``, ``channel`` ``[layers, kv_heads, head_dim]``;
-* stat: ``absmax`` (symmetric specs), ``lo`` and ``hi`` (asymmetric specs); see ``kveval.quant.calibrate``.
+* stat: ``absmax`` (symmetric specs), ``lo`` and ``hi`` (asymmetric specs); see ``kveval.calibration.ranges``.
 
 and a JSON header (safetensors metadata key ``kveval_scales``): ``format`` (1), ``model``, ``layers``,
 ``kv_heads``, ``head_dim``, ``corpus``, ``tokenizer`` (fingerprint), ``token_start``/``token_end`` (the corpus
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from kveval.calibration.ranges import STATIC_GRANULARITIES, Ranges
 from kveval.errors import KvevalError
 from kveval.quant import QParams, QuantSpec, qparams_from_range
-from kveval.quant.calibrate import STATIC_GRANULARITIES, Ranges
 
 FORMAT_VERSION = 1
 KINDS = ("key", "key_pre_rope", "value")

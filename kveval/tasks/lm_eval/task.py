@@ -1,7 +1,7 @@
 """lm-evaluation-harness tasks under each KV policy, beside perplexity in the same run.
 
 Config: ``tasks: [{lm_eval: {tasks: [arc_easy], num_fewshot: 0, limit: 200}}]``. For each (lm-eval task, policy)
-and for the FP baseline, one ``simple_evaluate`` with the bridge's model (``kveval.lmeval_bridge.KVEvalLM``) on the
+and for the FP baseline, one ``simple_evaluate`` with the bridge's model (``kveval.tasks.lm_eval.bridge.KVEvalLM``) on the
 already loaded model; one record per (task, policy) in ``records.jsonl`` (resume skips recorded pairs; a pair cut
 short by an interrupt is rerun whole). Metrics land in ``metrics.json`` as
 ``"lm_eval": {"<task>": {"acc": .., "acc_stderr": .., "acc_norm": .., "n": .., "layers_quantized": ..}}`` per
@@ -128,7 +128,7 @@ def evaluate_one(ctx, params: Params, tm, task: str, policy) -> dict:
     """One task under one policy (``policy=None``: the FP baseline): the record's metrics per (sub)task."""
     import lm_eval
 
-    from kveval.lmeval_bridge import KVEvalLM
+    from kveval.tasks.lm_eval.bridge import KVEvalLM
 
     with _quiet_lm_eval():
         lm = KVEvalLM(

@@ -1,7 +1,7 @@
 """Long-context retrieval: a passkey or a fact hidden at a depth of a context, scored two ways, per policy.
 
 Grid: ``context_lengths`` × ``depths`` cells, ``trials`` per cell, each trial with fresh seeded values
-(``kveval.needle_prompts``). Every policy (and the FP baseline) sees the same prompts. A context length is the
+(``kveval.tasks.needle.prompts``). Every policy (and the FP baseline) sees the same prompts. A context length is the
 whole sequence the cache holds at the end: the prompt is exactly ``context - max_new_tokens`` tokens, so
 prompt + answer never exceeds it (the RULER convention; an 8192-token context fits an 8192-token model).
 
@@ -30,7 +30,9 @@ from pydantic import Field, model_validator
 
 from kveval.errors import KvevalError
 from kveval.models import model_context_limit
-from kveval.needle_prompts import (
+from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
+from kveval.schema import Strict
+from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
     SentenceTokens,
     build_prompt,
@@ -39,8 +41,6 @@ from kveval.needle_prompts import (
     split_sentences,
     trial_rng,
 )
-from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
-from kveval.schema import Strict
 
 BASELINE = "baseline"
 NAME = "needle"

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .primitives import fake_quantize, qparams_from_range
-from .spec import QuantSpec
+from kveval.quant.primitives import fake_quantize, qparams_from_range
+from kveval.quant.spec import QuantSpec
 
 METHODS = ("absmax", "percentile", "mse")
 STATIC_GRANULARITIES = ("tensor", "head", "channel")

@@ -162,7 +162,7 @@ def check_scales(ctx: RunContext) -> dict:
     Returns ``{policy: sha256 of its scales file}`` for the policies that name a file."""
     import hashlib
 
-    from kveval.calibration import calibration_slice, check_overlap
+    from kveval.calibration.calibrate import calibration_slice, check_overlap
     from kveval.data import tokenizer_fingerprint
     from kveval.patch.quantizers import layer_quantizers, policy_scales
     from kveval.policy import AUTO_SCALES
@@ -207,7 +207,7 @@ def resolve_auto_scales(ctx: RunContext) -> None:
     point those policies at the file."""
     from dataclasses import replace
 
-    from kveval.calibration import SCALES_FILE, calibrate
+    from kveval.calibration.calibrate import SCALES_FILE, calibrate
     from kveval.policy import AUTO_SCALES
 
     auto = [n for n, p in ctx.policies.items() if p.scales == AUTO_SCALES and p.needs_scales_file()]
@@ -252,7 +252,7 @@ def memory_fields(ctx: RunContext) -> dict:
     """bytes_per_token, compression_vs_fp16, max_batch and bits_per_element per policy (FP16 storage of the
     full-precision parts), at the configured context (default: the longest window of the run's tasks)."""
     from kveval.memory import Arch
-    from kveval.memory_report import policy_memory_fields
+    from kveval.memory.table import policy_memory_fields
 
     arch = Arch.from_model(ctx.model)
     lengths = [getattr(t.params, "seq_len", 0) for t in ctx.cfg.tasks]

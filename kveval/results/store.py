@@ -184,11 +184,3 @@ def read_metrics(run_dir: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise KvevalError(f"{path} is not valid JSON (line {exc.lineno}); rerun the config to rebuild it") from None
-
-
-def load(run_dir):
-    """A results folder as pandas DataFrames (summary, positions, layers, memory, needle, sensitivity, records)
-    plus the raw config/env/metrics: see ``kveval.report.load.RunResults``."""
-    from kveval.report.load import load as _load
-
-    return _load(run_dir)

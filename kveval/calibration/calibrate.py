@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from kveval.calibration.ranges import STATIC_GRANULARITIES, calibrate_ranges
 from kveval.errors import KvevalError
 from kveval.quant import preset
-from kveval.quant.calibrate import STATIC_GRANULARITIES, calibrate_ranges
 
 SCALES_FILE = "scales.safetensors"
 
@@ -70,7 +70,7 @@ def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=())
     """``{(kind, granularity): [Ranges per layer]}`` from running ``model`` over ``tokens`` (the slice); for each
     fraction in ``outliers`` also the ranges of the dense part (kind ``key@0.01`` etc.). A kind missing in some
     layers (pre-RoPE keys of a layer without RoPE) is left out."""
-    from kveval.patch.collect import collect_kv
+    from kveval.calibration.collect import collect_kv
     from kveval.quant import split_outliers
 
     windows = [tokens[i:i + cal.seq_len] for i in range(0, len(tokens), cal.seq_len)]
@@ -102,9 +102,9 @@ def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Pa
     """Calibrate on the slice ``cfg.calibration`` names and write the scales file at ``path`` (dense-part ranges
     for the fractions in ``calibration.outliers`` and ``outliers``)."""
     from kveval import __version__
+    from kveval.calibration.scales_file import save_scales
     from kveval.data import tokenizer_fingerprint
     from kveval.models import model_info
-    from kveval.scales import save_scales
 
     cal = cfg.calibration
     start, end = calibration_slice(len(corpus_tokens), cal.tokens)
@@ -127,31 +127,3 @@ def default_output(cfg) -> Path:
     return Path(cfg.calibration.output) if cfg.calibration.output else Path("results") / "scales" / f"{cfg.name}.safetensors"
 
 
-def calibrate_command(config_path: str, overrides: list[str] | None = None, out: str | None = None,
-                      quiet: bool = False) -> Path:
-    """``kveval calibrate``: load the config's model and corpus, calibrate, write the scales file; returns its path."""
-    import sys
-
-    from rich.console import Console
-
-    from kveval.config import load_config
-    from kveval.data import load_tokens
-    from kveval.models import load_model
-    from kveval.progress import Progress
-
-    cfg = load_config(config_path, overrides)
-    path = Path(out) if out else default_output(cfg)
-    console = Console(width=None if sys.stdout.isatty() else 140)
-    console.print(f"[bold]kveval calibrate[/] {cfg.name}: {cfg.model.name} on {cfg.data.source}, "
-                  f"{cfg.calibration.tokens} tokens, method {cfg.calibration.method}")
-    model, tokenizer = load_model(cfg.model.name, device=cfg.model.device, dtype=cfg.model.dtype,
-                                  trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed)
-    d = cfg.data
-    tokens = load_tokens(d.source, tokenizer, split=d.split, text_field=d.text_field)
-    calibration_slice(len(tokens), cfg.calibration.tokens)  # errors before any slow work
-    try:
-        written = calibrate(model, tokenizer, tokens, cfg, path, Progress(console, quiet=quiet))
-    except OSError as exc:
-        raise KvevalError(f"cannot write the scales file {path}: {exc}") from None
-    console.print(f"scales: {written}")
-    return written

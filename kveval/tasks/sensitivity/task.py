@@ -3,7 +3,7 @@
 Cells: every selected layer x {key, value} x spec. Each cell quantizes only that tensor (residual 0, no sinks),
 everything else full precision, on a calibration slice (windows of ``seq_len`` over the first ``max_tokens``
 tokens). One record per (window, cell) and one per window for the baseline, so a killed scan resumes.
-By default layers before the quantized one are not recomputed (``kveval.scan``: prefix reuse); ``naive: true``
+By default layers before the quantized one are not recomputed (``kveval.tasks.sensitivity.scan``: prefix reuse); ``naive: true``
 runs the full model per cell and gives the same numbers.
 
 metrics.json: ``sensitivity: {cells: [{layer, tensor, spec, kld, delta_ppl_pct, nll_delta, top1_agree}],
@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 from kveval.data import token_windows
 from kveval.errors import KvevalError
 from kveval.models import model_context_limit
-from kveval.policy import parse_layer_selector
+from kveval.policy.selectors import layers_of
 from kveval.quant import preset
 from kveval.schema import Strict
 
@@ -58,10 +58,10 @@ def _key(window: int, cell: tuple | None = None) -> str:
 
 
 def check(ctx, params: Params) -> None:
-    from kveval.scan import cell_policy, check_reusable
+    from kveval.tasks.sensitivity.scan import cell_policy, check_reusable
 
     n = ctx.info["num_layers"]
-    parse_layer_selector(params.layers, n)
+    layers_of(params.layers, n)
     for spec in params.specs:
         cell_policy(0, "key", spec).check_model(n, ctx.info["head_dim"])  # group sizes, granularity
     limit = model_context_limit(ctx.model)
@@ -96,9 +96,9 @@ def compare(base: dict, logits: torch.Tensor, targets: torch.Tensor) -> dict:
 
 
 def run(ctx, params: Params) -> dict:
-    from kveval.scan import baseline_prefix, cell_policy, naive_logits, replay, verify_replay
+    from kveval.tasks.sensitivity.scan import baseline_prefix, cell_policy, naive_logits, replay, verify_replay
 
-    layers = parse_layer_selector(params.layers, ctx.info["num_layers"])
+    layers = layers_of(params.layers, ctx.info["num_layers"])
     cells = [(i, t, s) for s in params.specs for i in layers for t in params.tensors]
     windows = list(token_windows(ctx.tokens(), params.seq_len, max_tokens=params.max_tokens))
     token_end = max(w.end for w in windows)
@@ -135,7 +135,7 @@ def run(ctx, params: Params) -> dict:
     out = aggregate(ctx.run.records(), params)
     out["sensitivity"]["token_end"] = token_end  # the scan read corpus tokens [0, token_end)
     if params.plots and out["sensitivity"]["cells"]:
-        from kveval.scan import plot_heatmap, plot_ranked
+        from kveval.tasks.sensitivity.scan import plot_heatmap, plot_ranked
 
         s = out["sensitivity"]
         plot_heatmap(s["cells"], s["specs"], ctx.info["num_layers"], ctx.run.path / "plots" / "sensitivity_heatmap.png")

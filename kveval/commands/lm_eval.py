@@ -1,0 +1,39 @@
+"""``kveval lm-eval --kv POLICY -- LM_EVAL_ARGS``: lm-eval's own command line with kveval's model class."""
+
+from __future__ import annotations
+
+from kveval.errors import KvevalError
+from kveval.tasks.lm_eval.bridge import model_args_string
+
+
+def lm_eval_command(kv: str, model: str, dtype: str, device: str, lm_eval_args: list[str]) -> int:
+    """``kveval lm-eval --kv int4_g64 -- --tasks ... --limit ...``: run lm-eval's own command line with
+    ``--model kveval --model_args model=MODEL,kv=KV,dtype=DTYPE`` (and ``--device DEVICE`` unless given).
+
+    ``lm_eval_args`` are lm-eval's ``run`` arguments; ``--model`` among them is an error, ``--model_args`` among
+    them are merged after kveval's (e.g. ``--model_args prefill=context batch_size=4``). Returns the exit status.
+    """
+    args = list(lm_eval_args)
+    if args and args[0] == "run":
+        args = args[1:]
+    for a in args:
+        if a in ("--model", "-M") or a.startswith("--model="):
+            raise KvevalError("kveval lm-eval sets lm-eval's --model (kveval); pass the model with --model")
+    argv = ["run", "--model", "kveval", "--model_args", model_args_string(model, kv, dtype)]
+    if not any(a == "--device" or a.startswith("--device=") for a in args):
+        argv += ["--device", device]
+    argv += args
+    import sys
+
+    from lm_eval._cli import HarnessCLI
+
+    parser = HarnessCLI()
+    try:
+        parsed = parser._parser.parse_args(argv)
+        parser.execute(parsed)
+    except SystemExit as exc:  # argparse errors and --help
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.stdout.flush()
+    return 0

@@ -1,0 +1,100 @@
+"""The config form of a policy: plain data -> validated ``KVPolicy`` fields, every error one line with its path.
+
+Accepted (a config's ``kv: {policies: {NAME: ...}}`` entry, or a preset's config in ``presets.py``)::
+
+    int4_g64                                     # a preset name
+    {preset: kivi2, residual: 64}                # a preset with fields replaced
+    {key: int4_g64, value: int8, residual: 128, residual_mode: sliding, sink_tokens: 4, prefill: fp,
+     scales: auto, pre_rope: true, layers: {"0-1": {spec: int8}, "last 2": {key: int8}}}
+
+A spec is a QuantSpec preset name or a mapping of QuantSpec fields (``{preset: int4_channel, outliers: 0.01}``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kveval.errors import KvevalError, did_you_mean
+from kveval.policy.selectors import check_syntax
+from kveval.quant import QuantSpec, preset
+
+POLICY_KEYS = ("preset", "key", "value", "spec", "layers", "residual", "residual_mode", "sink_tokens", "prefill",
+               "scales", "pre_rope")
+OVERRIDE_KEYS = ("key", "value", "spec")
+
+
+def parse_spec(value: Any, where: str) -> QuantSpec:
+    """A QuantSpec from a preset name (``"int4_g64"``) or a dict of QuantSpec fields."""
+    if isinstance(value, QuantSpec):
+        return value
+    if isinstance(value, str):
+        try:
+            return preset(value)
+        except (KeyError, ValueError) as exc:
+            raise KvevalError(f"{where}: {exc}") from None
+    if isinstance(value, dict):
+        base = value.get("preset")
+        fields = {k: v for k, v in value.items() if k != "preset"}
+        try:
+            if not base:
+                return QuantSpec.from_dict(fields)
+            return QuantSpec.from_dict({**preset(base).to_dict(), **fields})
+        except (KeyError, ValueError, TypeError) as exc:
+            raise KvevalError(f"{where}: {exc}") from None
+    raise KvevalError(f"{where}: expected a preset name or a mapping of QuantSpec fields, got {value!r}")
+
+
+def policy_fields(cfg: dict, where: str) -> dict[str, Any]:
+    """The KVPolicy fields a mapping sets (all but ``preset``, which the caller resolves to the base policy)."""
+    for key in cfg:
+        if key not in POLICY_KEYS:
+            raise KvevalError(f"{where}: unknown key '{key}'{did_you_mean(key, POLICY_KEYS)}")
+    fields: dict[str, Any] = {}
+    if "spec" in cfg:
+        fields["key"] = fields["value"] = parse_spec(cfg["spec"], f"{where}.spec")
+    for kind in ("key", "value"):
+        if kind in cfg:
+            fields[kind] = parse_spec(cfg[kind], f"{where}.{kind}")
+    for key in ("residual", "sink_tokens"):
+        if key in cfg:
+            if not isinstance(cfg[key], int) or isinstance(cfg[key], bool):
+                raise KvevalError(f"{where}.{key}: expected an integer, got {cfg[key]!r}")
+            fields[key] = cfg[key]
+    for key in ("residual_mode", "prefill"):
+        if key in cfg:
+            fields[key] = str(cfg[key])
+    if "scales" in cfg:
+        if cfg["scales"] is not None and not isinstance(cfg["scales"], str):
+            raise KvevalError(f"{where}.scales: expected a scales file path or 'auto', got {cfg['scales']!r}")
+        fields["scales"] = cfg["scales"]
+    if "pre_rope" in cfg:
+        if not isinstance(cfg["pre_rope"], bool):
+            raise KvevalError(f"{where}.pre_rope: expected true or false, got {cfg['pre_rope']!r}")
+        fields["pre_rope"] = cfg["pre_rope"]
+    if "layers" in cfg:
+        fields["layers"] = parse_overrides(cfg["layers"], where)
+    return fields
+
+
+def parse_overrides(layers: Any, where: str) -> list[tuple[str, QuantSpec | None, QuantSpec | None]]:
+    """``layers: {SELECTOR: spec | {key, value, spec}}`` -> [(selector, key spec or None, value spec or None)]."""
+    if not isinstance(layers, dict):
+        raise KvevalError(f"{where}.layers: expected a mapping of layer selector -> {{key, value, spec}}")
+    out = []
+    for selector, body in layers.items():
+        check_syntax(selector)  # the range is checked against the model later (KVPolicy.check_model)
+        w = f"{where}.layers['{selector}']"
+        if isinstance(body, str):
+            body = {"spec": body}
+        if not isinstance(body, dict):
+            raise KvevalError(f"{w}: expected a preset name or a mapping with key/value/spec")
+        for k in body:
+            if k not in OVERRIDE_KEYS:
+                raise KvevalError(f"{w}: unknown key '{k}'{did_you_mean(k, OVERRIDE_KEYS)}")
+        key = value = parse_spec(body["spec"], f"{w}.spec") if "spec" in body else None
+        if "key" in body:
+            key = parse_spec(body["key"], f"{w}.key")
+        if "value" in body:
+            value = parse_spec(body["value"], f"{w}.value")
+        out.append((str(selector), key, value))
+    return out

@@ -1,0 +1,226 @@
+"""KVPolicy: which QuantSpec the keys and values of each layer get, plus the full-precision windows.
+
+A policy is pure data (no transformers import). It answers two questions for the patching code:
+
+* ``specs_for_layer(i, num_layers) -> (key_spec, value_spec)``: per-layer mixed precision;
+* ``full_precision_mask(...)``: which cached tokens a query sees in full precision (residual window, sinks,
+  prefill) and which it sees quantized. Emulation and the real cache both derive their behaviour from it.
+
+Semantics of the windows, for a query decoded at position ``t`` (the cache then holds tokens ``0..t``):
+
+* ``sink_tokens = S``: tokens ``j < S`` are always full precision (StreamingLLM attention sinks).
+* ``residual_mode = "sliding"``, ``residual = R``: the ``R`` most recent tokens (``j > t - R``) are full precision;
+  a token is quantized when it leaves the window. ``R = 0``: every token is quantized as soon as it is stored.
+* ``residual_mode = "block"`` (KIVI): tokens after the sinks wait in full precision until ``R`` of them have
+  accumulated; then that block of ``R`` is quantized at once. Per-channel statistics are taken over such a block,
+  so they never use tokens after the query.
+* ``prefill = "fp"``: queries of the prompt (the first ``prefill_len`` positions) attend to the prompt in full
+  precision, as serving engines do; the prompt is stored quantized for the decode steps that follow.
+  ``prefill = "quantized"``: the prompt queries attend to the cache as it stands at the end of the prefill.
+
+Calibrated (static) scales: ``scales: PATH`` names a scales file written by ``kveval calibrate`` (``auto``: the run
+calibrates one itself on a slice of the corpus disjoint from the evaluation). Specs of granularity ``tensor``,
+``head`` or ``channel`` then use the file's parameters for every token (a calibrated per-channel spec needs no
+token blocks); token and group specs stay dynamic. ``pre_rope: true`` quantizes keys before the rotary embedding
+(KVQuant): the cache stores pre-RoPE keys and rotates them again when they are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from kveval.errors import KvevalError, did_you_mean
+from kveval.policy import masks
+from kveval.policy.parse import policy_fields
+from kveval.policy.presets import POLICY_PRESETS, policy_names
+from kveval.policy.selectors import layers_of
+from kveval.quant import QuantSpec, preset, preset_names
+
+RESIDUAL_MODES = ("sliding", "block")
+PREFILL_MODES = ("fp", "quantized")
+AUTO_SCALES = "auto"
+
+
+@dataclass(frozen=True)
+class LayerOverride:
+    """Specs for the layers named by ``selector``; ``None`` keeps the policy default for that tensor."""
+
+    selector: str
+    key: QuantSpec | None = None
+    value: QuantSpec | None = None
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """A KV-cache quantization policy.
+
+    Example: ``KVPolicy.preset("kivi2")``; ``KVPolicy.from_config({"key": "int4_g64", "value": "int8",
+    "residual": 128, "layers": {"0-1": {"spec": "int8"}}})``.
+    """
+
+    name: str = "custom"
+    key: QuantSpec = field(default_factory=lambda: QuantSpec(format="none"))
+    value: QuantSpec = field(default_factory=lambda: QuantSpec(format="none"))
+    layers: tuple[LayerOverride, ...] = ()
+    residual: int = 0
+    residual_mode: str = "sliding"
+    sink_tokens: int = 0
+    prefill: str = "fp"
+    scales: str | None = None
+    pre_rope: bool = False
+
+    def __post_init__(self):
+        if self.residual < 0 or self.sink_tokens < 0:
+            raise KvevalError(f"policy '{self.name}': residual and sink_tokens must be >= 0")
+        if self.residual_mode not in RESIDUAL_MODES:
+            raise KvevalError(f"policy '{self.name}': residual_mode must be one of {RESIDUAL_MODES}, got '{self.residual_mode}'")
+        if self.prefill not in PREFILL_MODES:
+            raise KvevalError(f"policy '{self.name}': prefill must be one of {PREFILL_MODES}, got '{self.prefill}'")
+        if self.residual_mode == "block" and self.residual == 0:
+            raise KvevalError(f"policy '{self.name}': residual_mode 'block' needs residual > 0 (the block size)")
+        if self.scales is not None and (not isinstance(self.scales, str) or not self.scales.strip()):
+            raise KvevalError(f"policy '{self.name}': scales must be a path to a scales file or 'auto'; got {self.scales!r}")
+        for spec in self.all_specs():
+            if spec.granularity == "channel" and not spec.is_none and self.scales is None:
+                if self.residual_mode != "block":
+                    raise KvevalError(
+                        f"policy '{self.name}': per-channel quantization takes its statistics over a block of tokens; "
+                        "set residual_mode: block and residual: N (e.g. 128, as KIVI does), or calibrate static "
+                        "scales (scales: auto)"
+                    )
+            if spec.granularity in ("tensor", "head") and not spec.is_none and spec.static_scale is None \
+                    and self.scales is None:
+                raise KvevalError(
+                    f"policy '{self.name}': '{spec.granularity}' granularity needs static scales (scales: auto, "
+                    "scales: FILE from kveval calibrate, or static_scale: 1.0); dynamic per-tensor statistics would "
+                    "look at tokens that are not decoded yet"
+                )
+
+    # --- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> KVPolicy:
+        """A named policy (``kveval ls`` lists them): the policy presets below, or any QuantSpec preset used for K and V."""
+        if name in POLICY_PRESETS:
+            return cls.from_config(POLICY_PRESETS[name][0], name=name)
+        if name in preset_names():
+            spec = preset(name)
+            return cls(name=name, key=spec, value=spec)
+        raise KvevalError(
+            f"unknown KV policy '{name}'{did_you_mean(name, policy_names())} (kveval ls lists the presets)"
+        )
+
+    @classmethod
+    def from_config(cls, cfg: dict | str, name: str | None = None) -> KVPolicy:
+        """A policy from its config form (``kveval.policy.parse``): a preset name, or a mapping with the keys
+        ``preset, key, value, spec (both), layers, residual, residual_mode, sink_tokens, prefill, scales, pre_rope``."""
+        if isinstance(cfg, str):
+            policy = cls.preset(cfg)
+            return replace(policy, name=name) if name else policy
+        if not isinstance(cfg, dict):
+            raise KvevalError(f"policy '{name}': expected a preset name or a mapping, got {cfg!r}")
+        fields = policy_fields(cfg, f"policy '{name or 'custom'}'")
+        if "layers" in fields:
+            fields["layers"] = tuple(LayerOverride(sel, k, v) for sel, k, v in fields["layers"])
+        base = cls.preset(cfg["preset"]) if "preset" in cfg else cls()
+        return replace(base, name=name or (cfg.get("preset") or "custom"), **fields)
+
+    def to_config(self) -> dict:
+        """The config form (plain data) of this policy; ``from_config(p.to_config())`` gives back ``p``."""
+        out: dict[str, Any] = {
+            "key": self.key.to_dict(),
+            "value": self.value.to_dict(),
+            "residual": self.residual,
+            "residual_mode": self.residual_mode,
+            "sink_tokens": self.sink_tokens,
+            "prefill": self.prefill,
+        }
+        if self.scales is not None:
+            out["scales"] = self.scales
+        if self.pre_rope:
+            out["pre_rope"] = True
+        if self.layers:
+            out["layers"] = {
+                o.selector: {k: s.to_dict() for k, s in (("key", o.key), ("value", o.value)) if s is not None}
+                for o in self.layers
+            }
+        return out
+
+    # --- queries ------------------------------------------------------------------------------------------------
+    def all_specs(self) -> list[QuantSpec]:
+        specs = [self.key, self.value]
+        for o in self.layers:
+            specs.extend(s for s in (o.key, o.value) if s is not None)
+        return specs
+
+    def specs_for_layer(self, layer: int, num_layers: int) -> tuple[QuantSpec, QuantSpec]:
+        """(key_spec, value_spec) of one layer; later overrides win over earlier ones."""
+        key, value = self.key, self.value
+        for o in self.layers:
+            if layer in layers_of(o.selector, num_layers):
+                key = o.key or key
+                value = o.value or value
+        return key, value
+
+    @property
+    def is_none(self) -> bool:
+        """True when no tensor of any layer is quantized (the policy is the full-precision baseline)."""
+        return all(s.is_none for s in self.all_specs())
+
+    def uses_static(self, spec: QuantSpec) -> bool:
+        """Whether ``spec`` takes its parameters from the policy's scales file (tensor, head, channel granularity)."""
+        return self.scales is not None and not spec.is_none and spec.ggml is None and \
+            spec.granularity in ("tensor", "head", "channel")
+
+    def needs_scales_file(self) -> bool:
+        """Whether any spec of the policy reads the scales file."""
+        return any(self.uses_static(s) for s in self.all_specs())
+
+    def check_model(self, num_layers: int, head_dim: int) -> None:
+        """Errors that need the model's shape: layer selectors in range, group sizes that divide head_dim."""
+        for o in self.layers:
+            layers_of(o.selector, num_layers)
+        for spec in self.all_specs():
+            try:
+                spec.check_head_dim(head_dim)
+            except ValueError as exc:
+                raise KvevalError(f"policy '{self.name}': {exc}") from None
+
+    def describe(self) -> str:
+        """A one-line human description, e.g. ``K int4 asym g64 (fp16 scales) / V int8 ..., residual 128 (block)``."""
+        kv = (
+            f"K/V {self.key.describe()}" if self.key == self.value
+            else f"K {self.key.describe()} / V {self.value.describe()}"
+        )
+        extra = []
+        if self.residual:
+            extra.append(f"residual {self.residual} ({self.residual_mode})")
+        if self.sink_tokens:
+            extra.append(f"{self.sink_tokens} sink tokens")
+        if self.layers:
+            extra.append(f"{len(self.layers)} layer override(s)")
+        if self.pre_rope:
+            extra.append("pre-RoPE keys")
+        if self.needs_scales_file():
+            extra.append("calibrated scales" + ("" if self.scales == AUTO_SCALES else f" ({self.scales})"))
+        return ", ".join([kv, *extra])
+
+    def has_full_precision_tokens(self, prefill_len: int = 0) -> bool:
+        """Whether any query sees any earlier-or-same token in full precision (else every read is quantized)."""
+        return self.residual > 0 or self.sink_tokens > 0 or (prefill_len > 0 and self.prefill == "fp")
+
+    def full_precision_mask(
+        self, q_len: int, kv_len: int, prefill_len: int = 0, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """Bool ``[q_len, kv_len]``: which (query, key) pairs read the full-precision key/value
+        (``kveval.policy.masks.full_precision_mask`` with this policy's windows)."""
+        return masks.full_precision_mask(q_len, kv_len, sink_tokens=self.sink_tokens, residual=self.residual,
+                                         residual_mode=self.residual_mode, prefill=self.prefill,
+                                         prefill_len=prefill_len, device=device)
+
+    def quantized_block_end(self, n_stored: int) -> int:
+        """Tokens ``[sink_tokens, end)`` are held quantized once ``n_stored`` tokens are cached
+        (``kveval.policy.masks.quantized_end``)."""
+        return masks.quantized_end(n_stored, self.sink_tokens, self.residual, self.residual_mode)

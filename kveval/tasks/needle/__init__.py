@@ -1,0 +1,2 @@
+"""The needle task: passkey / needle-in-a-haystack retrieval (``prompts``: the prompt builder; ``task``: the
+evaluator)."""
