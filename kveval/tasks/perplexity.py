@@ -15,8 +15,6 @@ from pydantic import Field, model_validator
 
 from kveval.data import token_windows
 from kveval.errors import KvevalError
-from kveval.models import model_context_limit
-from kveval.patch import decode_logits, emulate
 from kveval.policy import KVPolicy
 from kveval.schema import Strict
 from kveval.stats import bin_sums, bootstrap_ratio_ci, compare_logits
@@ -79,6 +77,8 @@ def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, 
 
 def check(ctx, params: Params) -> None:
     """Input errors: a window longer than the model's context, a corpus shorter than one window."""
+    from kveval.models import model_context_limit
+
     limit = model_context_limit(ctx.model)
     if params.seq_len > limit:
         raise KvevalError(
@@ -92,6 +92,8 @@ def check(ctx, params: Params) -> None:
 
 def run(ctx, params: Params) -> dict:
     """Evaluate every (window, policy) not yet recorded, then aggregate all records into metrics."""
+    from kveval.patch import emulate
+
     tokens = ctx.tokens()[params.start_token:]
     windows = list(token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens))
     names = [BASELINE, *ctx.policies]
@@ -140,6 +142,8 @@ def run(ctx, params: Params) -> dict:
 def _noise_floor(ctx, params: Params, windows: list, names: list[str]) -> None:
     """The path noise: the same semantics computed a second way (token-by-token decoding through the real cache)
     on the first ``noise_windows`` windows, for every policy and for the FP baseline (single pass vs decoding)."""
+    from kveval.patch import decode_logits, emulate
+
     done = ctx.run.done_keys()
     todo = [(w, n) for w in windows for n in names if _noise_key(w.index, n) not in done]
     if not todo:

@@ -29,8 +29,6 @@ import torch
 from pydantic import Field, model_validator
 
 from kveval.errors import KvevalError
-from kveval.models import model_context_limit
-from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
 from kveval.schema import Strict
 from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
@@ -116,6 +114,8 @@ def trial_prompt(tokenizer, params: Params, sentences: SentenceTokens, *, seed: 
 def check(ctx, params: Params) -> None:
     """Input errors before anything is written: a context beyond the model's, a context too short for the
     instruction + needle + answer, an unreadable corpus."""
+    from kveval.models import model_context_limit
+
     limit = model_context_limit(ctx.model)
     too_long = [c for c in params.context_lengths if c > limit]
     if too_long:
@@ -152,6 +152,8 @@ def score_answer(model, prompt_ids: list[int], answer_ids: list[int], policy=Non
     Returns ``answer_logprob`` (mean per token), ``answer_logprob_sum``, ``answer_token_acc`` and
     ``answer_tokens``. Only the last ``len(answer)+1`` logits are computed when the model allows it.
     """
+    from kveval.patch import emulate
+
     n = len(answer_ids)
     ids = torch.tensor([list(prompt_ids) + list(answer_ids)], device=model.device)
     kwargs = {"logits_to_keep": n + 1} if _accepts(model, "logits_to_keep") else {}
@@ -171,6 +173,8 @@ def score_answer(model, prompt_ids: list[int], answer_ids: list[int], policy=Non
 def generate_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, policy=None) -> str:
     """Greedy continuation of ``prompt_ids`` (through ``QuantizedKVCache(model, policy)`` when ``policy`` is
     given), decoded without special tokens."""
+    from kveval.patch import QuantizedKVCache, cache_kwargs
+
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     kwargs = dict(
         max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),

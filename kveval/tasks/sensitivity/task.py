@@ -21,7 +21,6 @@ from pydantic import Field, field_validator
 
 from kveval.data import token_windows
 from kveval.errors import KvevalError
-from kveval.models import model_context_limit
 from kveval.policy.selectors import layers_of
 from kveval.quant import preset
 from kveval.schema import Strict
@@ -58,6 +57,7 @@ def _key(window: int, cell: tuple | None = None) -> str:
 
 
 def check(ctx, params: Params) -> None:
+    from kveval.models import model_context_limit
     from kveval.tasks.sensitivity.scan import cell_policy, check_reusable
 
     n = ctx.info["num_layers"]
