@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make demo   set up (if needed) and run the main job on the embedded model and corpus
-#   make test   set up (if needed) and run the test suite
+#   make test   set up (if needed), run the linter and the type checker, then the test suite
 VENV ?= .venv
 export HF_HUB_DISABLE_TELEMETRY = 1
 
@@ -12,14 +12,16 @@ setup:
 demo: setup
 	$(VENV)/bin/kveval run configs/int4_g64.yaml
 
-test: setup
+test: setup lint
 	$(VENV)/bin/python -m pytest -q
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not integration"
 
+# the guards CI runs before the tests: ruff on everything, mypy on the typed core (files listed in pyproject.toml)
 lint: setup
 	$(VENV)/bin/ruff check kveval tests bench
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

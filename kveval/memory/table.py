@@ -74,7 +74,7 @@ def resolve_arch(model: str | None = None, shape: str | None = None, layers: int
     if shape is not None:
         return Arch.named(shape)
     if any(explicit):
-        if not all(explicit):
+        if layers is None or kv_heads is None or head_dim is None:
             missing = [n for n, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim))
                        if v is None]
             raise KvevalError(f"an explicit shape needs --layers --kv-heads --head-dim; missing {' '.join(missing)}")

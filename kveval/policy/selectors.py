@@ -20,15 +20,15 @@ _HELP = "use an index, '0-3', '0,2,5', 'first N', 'last N' or 'all'"
 
 def _parts(selector: str | int) -> list[re.Match]:
     """The parsed parts of a selector; KvevalError for a selector outside the grammar or a reversed range."""
-    text = str(selector).strip().lower()
-    parts = [p.strip() for p in text.split(",")]
-    matches = [_PART.fullmatch(p) for p in parts if p]
-    if not matches or len(matches) != len(parts) or not all(matches):
-        raise KvevalError(f"layer selector '{selector}' is not understood; {_HELP}")
-    for m in matches:
+    matches: list[re.Match] = []
+    for part in str(selector).strip().lower().split(","):
+        m = _PART.fullmatch(part.strip())
+        if m is None:
+            raise KvevalError(f"layer selector '{selector}' is not understood; {_HELP}")
         if m["lo"] is not None and int(m["lo"]) > int(m["hi"]):
             raise KvevalError(f"layer range '{m[0]}' is reversed; write it as '{m['hi']}-{m['lo']}'")
-    return matches  # type: ignore[return-value]
+        matches.append(m)
+    return matches
 
 
 def check_syntax(selector: str | int) -> None:
