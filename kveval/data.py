@@ -15,8 +15,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 
 from .errors import KvevalError
+from .fileio import atomic_path
 from .paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -197,14 +196,8 @@ def _read_ids(path: Path, vocab: int) -> np.ndarray | None:
 
 
 def _write_ids(path: Path, ids: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".npy", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, ids, allow_pickle=False)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path, suffix=".npy") as tmp, open(tmp, "wb") as f:
+        np.save(f, ids, allow_pickle=False)
 
 
 # --------------------------------------------------------------------------------------------- windows

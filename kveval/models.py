@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -30,6 +29,7 @@ from urllib.parse import urlparse
 import torch
 
 from .errors import KvevalError
+from .fileio import atomic_path
 from .paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -425,9 +425,7 @@ def _convert_gguf(path: Path, entry: Path) -> None:
     for cfg in (model.config, _text_config(model.config)):
         if hasattr(cfg, "quantization_config"):
             delattr(cfg, "quantization_config")
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
-    try:
+    with atomic_path(entry, folder=True, replace=_install_entry) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -435,15 +433,17 @@ def _convert_gguf(path: Path, entry: Path) -> None:
                   "files": files, "checksum": _weights_checksum(tmp)}
         # the marker goes in before the rename, so an entry that appears is complete
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))
-        try:
+
+
+def _install_entry(tmp: Path, entry: Path) -> None:
+    """Rename a complete cache folder into place; when another process won the race, keep its entry if it
+    verifies, else replace it."""
+    try:
+        os.replace(tmp, entry)
+    except OSError:  # another process won the race: use its entry if it verifies
+        if _verify_entry(entry) is not None:
+            shutil.rmtree(entry, ignore_errors=True)
             os.replace(tmp, entry)
-        except OSError:  # another process won the race: use its entry if it verifies
-            if _verify_entry(entry) is not None:
-                shutil.rmtree(entry, ignore_errors=True)
-                os.replace(tmp, entry)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _weights_checksum(folder: Path) -> str:

@@ -9,7 +9,8 @@ Some rotary variants (YaRN, longrope) scale cos and sin by a factor a (``attenti
 ``cos² + sin² = a²`` and the inverse divides by it. Half-precision inputs are rotated in float32 and cast back.
 
 Pre-RoPE key quantization (KVQuant) stores ``Q(unrotate(k))`` and reads ``rotate(Q(unrotate(k)))``: the per-channel
-statistics of pre-RoPE keys do not mix channels of different frequencies across positions.
+statistics of pre-RoPE keys do not mix channels of different frequencies across positions. The ``pre_rope``
+transform (``kveval.transforms.pre_rope``) applies exactly that through the K/V transform seam.
 Worked (head_dim 2, θ·t = 90°: cos 0, sin 1): rotate([1, 0]) = [0, 1]; unrotate([0, 1]) = [1, 0].
 """
 

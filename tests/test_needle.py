@@ -12,6 +12,7 @@ from kveval.commands.run import run_experiment
 from kveval.config import validate
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
+from kveval.report.task_figures import plot_needle
 from kveval.tasks.needle import task as needle
 from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
@@ -22,7 +23,7 @@ from kveval.tasks.needle.prompts import (
     split_sentences,
     trial_rng,
 )
-from kveval.tasks.needle.task import Params, aggregate, generate_answer, plot_needle, score_answer, trial_prompt
+from kveval.tasks.needle.task import Params, aggregate, generate_answer, score_answer, trial_prompt
 
 CORPUS = (
     "The interpreter reads a line of input. It then parses the line into a syntax tree!\n\n"

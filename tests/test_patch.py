@@ -2,33 +2,12 @@
 
 import pytest
 import torch
+from twopaths import decoded_logits, emulated_logits, ids_for
 
 from kveval.errors import KvevalError
-from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
+from kveval.patch import QuantizedKVCache, emulate
 from kveval.policy import KVPolicy
 from kveval.quant import QuantSpec
-
-
-def ids_for(model, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, model.config.vocab_size, (1, n), generator=g)
-
-
-@torch.no_grad()
-def emulated_logits(model, ids, policy, prefill_len=0):
-    with emulate(model, policy, prefill_len=prefill_len):
-        return model(ids).logits
-
-
-@torch.no_grad()
-def decoded_logits(model, ids, policy, prefill_len=1):
-    """Prefill ``prefill_len`` tokens at once, then one token per step through the real cache."""
-    cache = QuantizedKVCache(model, policy)
-    kw = cache_kwargs(model, cache)
-    out = [model(ids[:, :prefill_len], use_cache=True, **kw).logits]
-    for t in range(prefill_len, ids.shape[1]):
-        out.append(model(ids[:, t : t + 1], use_cache=True, **kw).logits)
-    return torch.cat(out, dim=1), cache
 
 
 def spec(**kw):

@@ -21,8 +21,6 @@ from kveval.calibration.ranges import STATIC_GRANULARITIES, calibrate_ranges
 from kveval.errors import KvevalError
 from kveval.quant import preset
 
-SCALES_FILE = "scales.safetensors"
-
 
 def calibration_slice(n_tokens: int, tokens: int) -> tuple[int, int]:
     """Corpus positions ``[start, end)`` of the calibration slice: the last ``tokens`` tokens."""

@@ -90,19 +90,21 @@ def _sq_error(x4: torch.Tensor, spec: QuantSpec, lo: torch.Tensor, hi: torch.Ten
 
 def mse_ranges(x: torch.Tensor, granularity: str, target: QuantSpec) -> Ranges:
     """MSE-optimal clipping of the absmax ranges for ``target`` (its format, bits, mapping and scale dtype)."""
-    if target.is_none or target.ggml is not None:
-        raise ValueError(f"mse calibration needs an int or fp8 target spec; got {target.describe()}")
+    if target.is_none or not target.fmt.supports_static:
+        raise ValueError("mse calibration needs a target spec whose format takes calibrated parameters "
+                         f"(int, fp8); got {target.describe()}")
     full = percentile_ranges(x, granularity)
     x4 = x.float().permute(1, 0, 2)[None]  # [1, H, N, D]
     out = {}
     for mapping in ("symmetric", "asymmetric"):
-        if mapping == "asymmetric" and target.is_fp8:
-            out["lo"], out["hi"] = full.lo, full.hi  # fp8 is symmetric only: plain extremes
+        try:
+            spec = _static_spec(target, granularity, mapping)
+        except ValueError:  # the format has no such mapping (fp8: symmetric only; no symmetric 1-bit int)
+            if mapping == "symmetric":
+                out["absmax"] = full.absmax  # plain extremes
+            else:
+                out["lo"], out["hi"] = full.lo, full.hi
             continue
-        if mapping == "symmetric" and target.bits == 1:
-            out["absmax"] = full.absmax  # symmetric 1-bit does not exist
-            continue
-        spec = _static_spec(target, granularity, mapping)
         centre, half = (full.hi + full.lo) / 2, (full.hi - full.lo) / 2
         best_err = best_lo = best_hi = None
         for r in MSE_RATIOS:

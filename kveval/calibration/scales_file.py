@@ -16,8 +16,6 @@ searched for, else null), ``dtype``, ``created``, ``kveval``.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +24,7 @@ import torch
 
 from kveval.calibration.ranges import STATIC_GRANULARITIES, Ranges
 from kveval.errors import KvevalError
+from kveval.fileio import atomic_path
 from kveval.quant import QParams, QuantSpec, qparams_from_range
 
 FORMAT_VERSION = 1
@@ -99,15 +98,8 @@ def save_scales(path: str | Path, ranges: dict[tuple[str, str], list[Ranges]], h
         for stat in ("absmax", "lo", "hi"):
             tensors[f"{kind}.{gran}.{stat}"] = torch.stack([getattr(r, stat).float() for r in per_layer]).contiguous()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={_META_KEY: json.dumps({"format": FORMAT_VERSION, **header})})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps({"format": FORMAT_VERSION, **header})})
     return path
 
 

@@ -20,11 +20,11 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
                  allow_fp: bool = False, eval_tokens: int = 4096) -> str:
     """``kveval plan SCAN_DIR --budget B [--out PATH]``: write a ready-to-run config and ``<name>.plan.json``
     beside it; print a summary; return the config's path."""
-    from kveval.results import CONFIG_FILE, atomic_write_json, atomic_write_text, read_metrics
+    from kveval.results import atomic_write_json, atomic_write_text, read_config, read_metrics
 
     scan_dir = Path(scan_dir)
     metrics = read_metrics(scan_dir)
-    resolved = yaml.safe_load((scan_dir / CONFIG_FILE).read_text()) if (scan_dir / CONFIG_FILE).exists() else {}
+    resolved = read_config(scan_dir)
     p = plan(metrics, budget, context=context, allow_fp=allow_fp)
     name = _slug(f"{metrics.get('run', 'scan')}_plan_{p.budget.text}")
     path = Path(out) if out else GENERATED_DIR / f"{name}.yaml"

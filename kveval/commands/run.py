@@ -16,7 +16,7 @@ from kveval.config import ExperimentConfig
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
 from kveval.progress import Progress
-from kveval.results import RunDir, environment, now
+from kveval.results import BASELINE, SCALES_FILE, SCALES_USED_FILE, RunDir, atomic_write_json, environment, now
 
 
 @dataclass
@@ -103,8 +103,6 @@ def run_experiment(
 
     run = ctx.run = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite)
     if scales_used:
-        from kveval.results import atomic_write_json
-
         atomic_write_json(run.path / SCALES_USED_FILE, scales_used)
     run.repair()
     resolve_auto_scales(ctx)
@@ -113,7 +111,7 @@ def run_experiment(
     env["config_path"] = config_path
     env["command"] = f"kveval run {config_path}" if config_path else None
     run.write_env(env, started=started)
-    metrics: dict = {"run": cfg.name, "model": cfg.model.name, "baseline": {}, "policies": {n: {} for n in policies}}
+    metrics: dict = {"run": cfg.name, "model": cfg.model.name, BASELINE: {}, "policies": {n: {} for n in policies}}
     for entry in cfg.tasks:
         merge(metrics, runners[entry.kind].run(ctx, entry.params))
     merge(metrics, memory_fields(ctx))
@@ -127,9 +125,6 @@ def run_experiment(
     console.print(summary_table(metrics, cfg))
     console.print(f"results: {run.path}/")
     return metrics
-
-
-SCALES_USED_FILE = "scales_used.json"
 
 
 def check_scales_unchanged(out_dir, scales_used: dict, *, overwrite: bool) -> None:
@@ -207,7 +202,7 @@ def resolve_auto_scales(ctx: RunContext) -> None:
     point those policies at the file."""
     from dataclasses import replace
 
-    from kveval.calibration.calibrate import SCALES_FILE, calibrate
+    from kveval.calibration.calibrate import calibrate
     from kveval.policy import AUTO_SCALES
 
     auto = [n for n, p in ctx.policies.items() if p.scales == AUTO_SCALES and p.needs_scales_file()]
@@ -259,7 +254,7 @@ def memory_fields(ctx: RunContext) -> dict:
     context = ctx.cfg.memory.context or max(lengths) or 2048
     gpu = ctx.cfg.memory.gpu_memory
     out = {"memory": {"arch": arch.to_dict(), "context": context, "gpu_memory": gpu}, "policies": {}}
-    out["baseline"] = policy_memory_fields(arch, "fp16", context, gpu)
+    out[BASELINE] = policy_memory_fields(arch, "fp16", context, gpu)
     for name, policy in ctx.policies.items():
         out["policies"][name] = policy_memory_fields(arch, policy, context, gpu)
     return out
@@ -276,8 +271,8 @@ def summary_table(metrics: dict, cfg: ExperimentConfig) -> Table:
     title = f"{cfg.name}: {metrics['model']}, threshold ΔPPL <= {thr.delta_ppl_pct}%" + (
         f", KLD <= {thr.kld}" if thr.kld is not None else ""
     )
-    base = metrics.get("baseline", {})
-    rows = [("baseline", base), *metrics.get("policies", {}).items()]
+    base = metrics.get(BASELINE, {})
+    rows = [(BASELINE, base), *metrics.get("policies", {}).items()]
     has = {key: any(m.get(key) is not None for _, m in rows) for key in ("ppl", "needle_accuracy")}
     cols = [("bits/elem", lambda m: _fmt(m.get("bits_per_element"), ".2f"))]
     if has["ppl"] or not has["needle_accuracy"]:
@@ -299,10 +294,10 @@ def summary_table(metrics: dict, cfg: ExperimentConfig) -> Table:
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("verdict", justify="left", no_wrap=True)
     for name, m in rows:
-        verdict = "" if name == "baseline" else m.get("verdict", "-")
+        verdict = "" if name == BASELINE else m.get("verdict", "-")
         style = {"pass": "green", "fail": "red"}.get(verdict, "yellow")
         cells = [fn(m) for _, fn in cols]
-        if name == "baseline" and has["ppl"]:
+        if name == BASELINE and has["ppl"]:
             cells[1:6] = [cells[1], "", "", "", ""]
         table.add_row(name, *cells, f"[{style}]{verdict}[/]" if verdict else "")
     return table

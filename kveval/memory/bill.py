@@ -15,12 +15,13 @@ tokens of ``batch`` sequences (K/V tensors ``[batch, kv_heads, n, head_dim]``):
   ``fp_bytes`` per element (default 2, FP16). A tensor whose spec is ``none`` is full precision for all ``n``.
 * the quantized middle ``[sink_tokens, end)`` with ``end = policy.quantized_block_end(n)``: sliding mode
   ``max(n - R, S)``; block mode ``S + floor((n - S) / R) * R`` (only complete blocks are quantized).
-  Codes are ``ceil(head_dim * bits / 8)`` bytes per token row (INT b: b/8 byte per element, FP8 1); scales and
-  zero points in their storage dtype per statistics group: token (per token and head), group (per ``group_size``
-  of head_dim), channel (per channel and head per block of ``R`` tokens, amortised; with calibrated scales one per
-  channel and head per layer), head / tensor (static: one per head / one per layer and tensor, whatever the batch
-  and context). Outliers (``spec.outliers``) are counted with the scales: ``k`` values per token row in
-  ``fp_bytes`` plus a 1-byte index each.
+  Codes are ``spec.fmt.row_nbytes(spec, head_dim)`` bytes per token row, as the format packs them (INT b:
+  ``ceil(head_dim * b / 8)``, FP8 1 byte per element); scales and zero points in their storage dtype per
+  statistics group: token (per token and head), group (per ``group_size`` of head_dim), channel (per channel and
+  head per block of ``R`` tokens, amortised; with calibrated scales one per channel and head per layer), head /
+  tensor (static: one per head / one per layer and tensor, whatever the batch and context). Outliers
+  (``spec.outliers``) are counted with the scales: ``k`` values per token row in ``fp_bytes`` plus a 1-byte index
+  each.
 
 Worked (the published figures, binary units, symmetric, float32 scales, no zero point), ``llama-7b-mha``
 (32 layers, 32 KV heads, head_dim 128), batch 1, 2048 tokens: FP16 = 2 * 32 * 32 * 2048 * 128 * 2 B = 1 GiB;
@@ -256,7 +257,7 @@ def _tensor_part(spec: QuantSpec, policy: KVPolicy, arch: Arch, batch: int, n: i
     residual = B * H * n_fp * D * fp_bytes
     if n_q == 0:
         return Part(residual=residual)
-    cb = policy.residual if spec.granularity == "channel" else None
+    cb = policy.residual if spec.gran.token_blocks else None
     nb = packed_nbytes(spec, (B, H, n_q, D), channel_block=cb, dtype=_FP_DTYPES[fp_bytes],
                        static=policy.uses_static(spec))
     return Part(codes=nb["codes"], scales=nb["scales"] + nb["outliers"], residual=residual)
@@ -403,9 +404,9 @@ def block_bytes(arch: Arch, policy: KVPolicy | str, block_size: int = DEFAULT_BL
             nb = packed_nbytes(spec, (1, H, block_size, D), dtype=_FP_DTYPES[fp_bytes])
             if spec.is_none:
                 total += H * block_size * D * fp_bytes
-            elif spec.granularity in ("tensor", "head") or pol.uses_static(spec):
+            elif spec.gran.static_only or pol.uses_static(spec):
                 total += nb["codes"] + nb["outliers"]
-            elif spec.granularity == "channel":
+            elif spec.gran.token_blocks:
                 r = pol.residual
                 per_r = packed_nbytes(spec, (1, H, r, D), channel_block=r, dtype=_FP_DTYPES[fp_bytes])
                 total += Fraction(per_r["total"] * block_size, r)

@@ -3,13 +3,18 @@
 The emulation registers its own attention function in transformers' ``AttentionInterface`` under a name per
 wrapped implementation (``kveval_sdpa``, ``kveval_eager``). Each wraps the stock function: layers without a
 kveval state attached, and layers whose specs are ``none``, go straight to it with the original arguments.
+
+Two ways to attach states: ``patched(model, states)`` for the duration of a ``with`` block (emulation,
+calibration), and ``patched_while_passed(model, states, owner)`` for exactly the forward calls that receive
+``owner`` (the real cache, whose K/V transforms hook the query and the attention output).
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
@@ -128,3 +133,37 @@ def patched(model, states: dict[torch.nn.Module, object]):
             if hasattr(module, STATE_ATTR):
                 delattr(module, STATE_ATTR)
         set_implementation(model, original)
+
+
+def patched_while_passed(model, states: dict[torch.nn.Module, object], owner: object) -> Callable[[], None]:
+    """Route attention to ``states`` (as ``patched`` does) during exactly those forward calls of ``model`` that
+    receive ``owner`` as an argument: a cache handed to ``model(...)`` as ``past_key_values``/``cache``, also by
+    ``generate()``. Each such call patches the model on entry and restores it when the call returns or raises;
+    other calls run untouched. Returns a function removing the hooks; they are removed too once ``owner`` is
+    garbage-collected (the hooks hold it weakly). Raises ``KvevalError`` now if the model cannot be patched."""
+    base_implementation(model)
+    ref = weakref.ref(owner)
+    active: list[AbstractContextManager | None] = []
+
+    def before(_module, args, kwargs):
+        mine = ref()
+        passed = mine is not None and (any(a is mine for a in args) or any(v is mine for v in kwargs.values()))
+        cm = patched(model, states) if passed else None
+        if cm is not None:
+            cm.__enter__()
+        active.append(cm)
+
+    def after(_module, _args, _kwargs, _output):
+        cm = active.pop() if active else None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    handles = [model.register_forward_pre_hook(before, with_kwargs=True),
+               model.register_forward_hook(after, with_kwargs=True, always_call=True)]
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+
+    weakref.finalize(owner, remove)
+    return remove

@@ -20,44 +20,44 @@ Limitation: with batch > 1 and left padding, sink tokens count from the first st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kveval.patch import attention as attn
 from kveval.patch.attention import attention_modules
 from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, policy_scales
-from kveval.patch.rope_capture import rope_of, track_rope
+from kveval.patch.rope_capture import rope_for, track_rope
 from kveval.policy import KVPolicy
-from kveval.quant import QuantizedTensor, dequantize, pack, unpack
+from kveval.quant import QuantizedTensor, dequantize
 
 
 @dataclass
 class StoredChunk:
-    """A run of quantized tokens: packed codes plus the QuantizedTensor's scales/zero points.
+    """A run of quantized tokens: the codes as the spec's format packs them (``spec.fmt.pack``: uint8 rows along
+    head_dim, e.g. two INT4 codes per byte, one FP8 byte per element) plus the QuantizedTensor's scales and zero
+    points.
 
     ``decoded`` holds the values read back from that storage (unpacked and dequantized once, when the tokens are
     stored: a decode step then costs O(new tokens), not O(context)); a kernel would dequantize on every read and
     get the same numbers. It is a compute cache, not counted in ``nbytes``.
     """
 
-    qt: QuantizedTensor
-    packed: torch.Tensor | None  # uint8 rows along head_dim, None when the codes are stored as they are (FP8)
-    n_codes: int
+    qt: QuantizedTensor  # scales, zero points, outliers and shape; its codes are empty (``packed`` holds them)
+    packed: torch.Tensor  # uint8 [batch, kv_heads, tokens, spec.fmt.row_nbytes(spec, head_dim)]
+    n_codes: int  # codes per row (head_dim)
     decoded: torch.Tensor | None = None
 
     @classmethod
     def store(cls, x: torch.Tensor, quantizer: TensorQuantizer, channel_block: int | None, rope=None) -> StoredChunk:
-        """Quantize x ``[batch, kv_heads, n, head_dim]`` (``rope``: its ``(cos, sin)`` for pre-RoPE keys)."""
-        spec = quantizer.spec
+        """Quantize x ``[batch, kv_heads, n, head_dim]`` (``rope``: its ``(cos, sin)`` for pre-RoPE keys) and pack
+        the codes through the spec's format, whatever the format."""
         qt = quantizer.quantize(x, channel_block, rope)
-        if qt.codes.dtype in (torch.int8, torch.uint8) and spec.format == "int" and spec.bits < 8:
-            n = qt.codes.shape[-1]
-            packed = pack(qt.codes, spec.bits)
-            qt = QuantizedTensor(**{**qt.__dict__, "codes": torch.empty(0, dtype=qt.codes.dtype)})  # dtype kept: signedness
-            chunk = cls(qt=qt, packed=packed, n_codes=n)
-        else:
-            chunk = cls(qt=qt, packed=None, n_codes=qt.codes.shape[-1])
+        spec = qt.spec
+        packed = spec.fmt.pack(qt.codes, spec)
+        chunk = cls(qt=replace(qt, codes=torch.empty(0, dtype=qt.codes.dtype)), packed=packed,
+                    n_codes=qt.codes.shape[-1])
         chunk.decoded = quantizer.read_back(chunk.read_storage(), rope)
         return chunk
 
@@ -67,45 +67,35 @@ class StoredChunk:
         Codes, packed rows, scales, zero points and outliers all carry tokens (or token blocks) on dim 2;
         per-tensor, per-head and calibrated scales are static, the same in both chunks, and kept once."""
         a, b = self.qt, other.qt
-        static = a.static or (a.spec.granularity in ("tensor", "head") and a.spec.ggml is None)
+        static = a.static or a.spec.gran.static_only
 
         def cat(x, y, keep_once=static):
-            if x is None:
-                return None
-            if keep_once:
+            if x is None or keep_once:
                 return x
             return torch.cat([x, y], dim=2)
 
         shape = torch.Size([*a.shape[:2], a.shape[2] + b.shape[2], a.shape[3]])
-        qt = QuantizedTensor(**{
-            **a.__dict__, "codes": torch.cat([a.codes, b.codes], dim=2) if self.packed is None else a.codes,
-            "scale": cat(a.scale, b.scale), "zero_point": cat(a.zero_point, b.zero_point), "shape": shape,
-            "outlier_values": cat(a.outlier_values, b.outlier_values, False),
-            "outlier_index": cat(a.outlier_index, b.outlier_index, False),
-        })
-        packed = None if self.packed is None else torch.cat([self.packed, other.packed], dim=2)
-        return StoredChunk(qt=qt, packed=packed, n_codes=self.n_codes,
+        qt = replace(a, scale=cat(a.scale, b.scale), zero_point=cat(a.zero_point, b.zero_point), shape=shape,
+                     outlier_values=cat(a.outlier_values, b.outlier_values, False),
+                     outlier_index=cat(a.outlier_index, b.outlier_index, False))
+        return StoredChunk(qt=qt, packed=torch.cat([self.packed, other.packed], dim=2), n_codes=self.n_codes,
                            decoded=torch.cat([self.decoded, other.decoded], dim=2))
 
     def read_storage(self) -> torch.Tensor:
-        """Unpack and dequantize everything stored: ``[batch, kv_heads, tokens, head_dim]``."""
-        if self.packed is None:
-            return dequantize(self.qt)
-        codes = unpack(self.packed, self.qt.spec.bits, self.n_codes, signed=self.qt.codes.dtype == torch.int8)
-        return dequantize(QuantizedTensor(**{**self.qt.__dict__, "codes": codes}))
+        """Unpack (``spec.fmt.unpack``) and dequantize everything stored: ``[batch, kv_heads, tokens,
+        head_dim]``."""
+        spec = self.qt.spec
+        return dequantize(replace(self.qt, codes=spec.fmt.unpack(self.packed, spec, self.n_codes)))
 
     def read(self) -> torch.Tensor:
         return self.decoded
 
-    def nbytes(self) -> dict:
+    def nbytes(self) -> dict[str, int]:
         """Bytes held: the packed code bytes as stored, plus scales and zero points in their storage dtype and the
         outliers (values + indices), counted with the scales as side data."""
         side = (self.qt.scale, self.qt.zero_point, self.qt.outlier_values, self.qt.outlier_index)
         scales = sum(t.numel() * t.element_size() for t in side if t is not None)
-        if self.packed is None:
-            codes = self.qt.nbytes()["codes"]
-        else:
-            codes = self.packed.numel() * self.packed.element_size()
+        codes = self.packed.numel() * self.packed.element_size()
         return {"codes": codes, "scales": scales, "total": codes + scales}
 
 
@@ -113,16 +103,21 @@ class QuantizedKVLayer(DynamicLayer):
     """One layer's quantized cache. Tensors are ``[batch, kv_heads, seq, head_dim]``."""
 
     def __init__(self, key_q: TensorQuantizer, value_q: TensorQuantizer, policy: KVPolicy, is_sliding: bool = False,
-                 module: torch.nn.Module | None = None):
+                 module: torch.nn.Module | None = None, implementation: str | None = None):
         super().__init__()
         self.key_q, self.value_q, self.policy = key_q, value_q, policy
         self.key_spec, self.value_spec = key_q.spec, value_q.spec
         self.is_sliding = is_sliding
-        self.module = module  # the attention module, whose rotary embedding pre-RoPE keys need
+        self.module = module  # the attention module, whose rotary embedding transforms such as pre_rope need
+        # the stock attention implementation this layer's ``attend`` wraps; None: no query/output hooks to apply
+        self.implementation = implementation
+        self.needs_rope = key_q.needs_rope or value_q.needs_rope
         self.n_stored = 0
         self.q_end = policy.sink_tokens  # tokens [sink_tokens, q_end) are quantized
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
-        self.res_rope = None  # (cos, sin) [batch, residual tokens, head_dim] of the residual keys (pre_rope only)
+        # (cos, sin) [batch, tokens, head_dim] of the sink and residual tokens (only when a transform needs_rope)
+        self.sink_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.res_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.chunks_k: list[StoredChunk] = []  # at most one chunk each: new tokens are merged into it
         self.chunks_v: list[StoredChunk] = []
 
@@ -135,11 +130,31 @@ class QuantizedKVLayer(DynamicLayer):
         self.is_initialized = True
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = torch.cat([self.sink_k, *[c.read() for c in self.chunks_k], self.res_k], dim=-2)
-        values = torch.cat([self.sink_v, *[c.read() for c in self.chunks_v], self.res_v], dim=-2)
+        """Everything held, as attention reads it: full-precision sinks and residual through
+        ``TensorQuantizer.full_precision`` (themselves unless a transform keeps K/V in its domain), chunks as
+        read back."""
+        kq, vq = self.key_q, self.value_q
+        sink_k, res_k = kq.full_precision(self.sink_k, self.sink_rope), kq.full_precision(self.res_k, self.res_rope)
+        sink_v, res_v = vq.full_precision(self.sink_v, self.sink_rope), vq.full_precision(self.res_v, self.res_rope)
+        keys = torch.cat([sink_k, *[c.read() for c in self.chunks_k], res_k], dim=-2)
+        values = torch.cat([sink_v, *[c.read() for c in self.chunks_v], res_v], dim=-2)
         return keys, values
 
+    def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
+        """The attention call while this layer's cache is in use (``kveval.patch.attention.patched_while_passed``,
+        only for layers whose transforms hook the query or the output): the query hooks, the stock attention over
+        the keys/values ``update`` returned, then the output hooks. (output, weights) as the stock function."""
+        stock = attn.stock_attention(module, self.implementation or "sdpa")
+        rope = rope_for(module, query.shape[-1], self.key_q, self.value_q)
+        out, weights = stock(module, self.key_q.query(query, rope), key, value, attention_mask, *args, **kwargs)
+        return self.value_q.output(out, rope), weights
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.implementation is not None and getattr(self.module, attn.STATE_ATTR, None) is not self:
+            raise RuntimeError(
+                "kveval: this cache's transforms hook the query and the attention output; pass the cache to the "
+                "model it was built for (model(..., past_key_values=cache) or model.generate), not to a submodule"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n_new = key_states.shape[-2]
@@ -154,35 +169,43 @@ class QuantizedKVLayer(DynamicLayer):
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=-2)
         self.res_k = torch.cat([self.res_k, key_states[:, :, take:]], dim=-2)
         self.res_v = torch.cat([self.res_v, value_states[:, :, take:]], dim=-2)
-        if self.key_q.pre_rope:
-            cos, sin = rope_of(self.module, key_states.shape[-1])
-            new = (cos[:, take:], sin[:, take:])
-            self.res_rope = new if self.res_rope is None else tuple(
-                torch.cat([old, n], dim=1) for old, n in zip(self.res_rope, new))
+        new_rope = rope_for(self.module, key_states.shape[-1], self.key_q, self.value_q) if self.needs_rope else None
+        if new_rope is not None:
+            cos, sin = new_rope
+            self.sink_rope = self._append_rope(self.sink_rope, (cos[:, :take], sin[:, :take]))
+            self.res_rope = self._append_rope(self.res_rope, (cos[:, take:], sin[:, take:]))
         self.n_stored += n_new
 
         end = min(self.policy.quantized_block_end(self.n_stored), self.n_stored)
         if end > self.q_end:
             move = end - self.q_end
             block = self.policy.residual if self.policy.residual_mode == "block" else None
-            rope = None if self.res_rope is None else tuple(t[:, :move] for t in self.res_rope)
+            rope = None if self.res_rope is None else (self.res_rope[0][:, :move], self.res_rope[1][:, :move])
             self._store(self.res_k[:, :, :move], self.res_v[:, :, :move], block, rope)
             self.res_k, self.res_v = self.res_k[:, :, move:], self.res_v[:, :, move:]
             if self.res_rope is not None:
-                self.res_rope = tuple(t[:, move:] for t in self.res_rope)
+                self.res_rope = (self.res_rope[0][:, move:], self.res_rope[1][:, move:])
             self.q_end = end
 
         if prefill_fp:
+            key_states = self.key_q.full_precision(key_states, new_rope)
+            value_states = self.value_q.full_precision(value_states, new_rope)
             if before is None:
                 return key_states, value_states
             return torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
         return self._read()
 
+    @staticmethod
+    def _append_rope(old: tuple[torch.Tensor, torch.Tensor] | None,
+                     new: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return new if old is None else (torch.cat([old[0], new[0]], dim=1), torch.cat([old[1], new[1]], dim=1))
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, block: int | None, rope=None) -> None:
-        for x, q, chunks, r in ((k, self.key_q, self.chunks_k, rope), (v, self.value_q, self.chunks_v, None)):
+        for x, q, chunks in ((k, self.key_q, self.chunks_k), (v, self.value_q, self.chunks_v)):
+            r = rope if q.needs_rope else None
             if q.is_none:
-                # a layer that keeps this tensor in full precision stores it as a plain chunk
-                new = _FullPrecisionChunk(x.clone())
+                # a layer that keeps this tensor in full precision stores it as a plain chunk (as attention reads it)
+                new = _FullPrecisionChunk(q.full_precision(x, r).clone())
             else:
                 new = StoredChunk.store(x, q, block if q.spec.granularity == "channel" else None, r)
             if chunks:
@@ -197,7 +220,7 @@ class QuantizedKVLayer(DynamicLayer):
         return self.n_stored + query_length, 0
 
     def reset(self) -> None:
-        self.__init__(self.key_q, self.value_q, self.policy, self.is_sliding, self.module)
+        self.__init__(self.key_q, self.value_q, self.policy, self.is_sliding, self.module, self.implementation)
 
     def nbytes(self) -> dict:
         """Bytes held: ``codes`` (packed), ``scales`` (scales and zero points), ``residual`` (full-precision tokens:
@@ -253,6 +276,13 @@ class QuantizedKVCache(Cache):
 
     All tokens are kept (sliding-window layers included; their mask limits what they see), so that the memory
     bill of a full-attention model is exact.
+
+    K/V transforms (``policy.transform_sequence()``) act through the layers' ``TensorQuantizer``s, as in
+    ``emulate``. When a transform hooks the query or the attention output (e.g. a rotation that keeps the cache
+    rotated, as llama.cpp does), the cache wraps the model's attention function during exactly the forward calls
+    of ``model`` that receive this cache (``kveval.patch.attention.patched_while_passed``: forward hooks on
+    ``model``, removed when the cache is garbage-collected); the model is restored after each call. Without such
+    hooks nothing is wrapped and the model runs its own attention function.
     """
 
     def __init__(self, model, policy: KVPolicy):
@@ -260,15 +290,20 @@ class QuantizedKVCache(Cache):
         n = len(modules)
         sliding = _sliding_layers(model)
         scales = policy_scales(policy, model)
-        if policy.pre_rope:
+        if any(t.needs_rope for t in policy.transform_sequence()):
             track_rope(model)
+        quantizers = [layer_quantizers(policy, m.layer_idx, n, scales, model.device) for m in modules]
+        hooked = any(q.hooks_attention for pair in quantizers for q in pair)
+        base = attn.base_implementation(model) if hooked else None
         layers = [
-            QuantizedKVLayer(*layer_quantizers(policy, m.layer_idx, n, scales, model.device), policy,
-                             is_sliding=m.layer_idx in sliding, module=m)
-            for m in modules
+            QuantizedKVLayer(k_q, v_q, policy, is_sliding=m.layer_idx in sliding, module=m,
+                             implementation=base if k_q.hooks_attention or v_q.hooks_attention else None)
+            for m, (k_q, v_q) in zip(modules, quantizers)
         ]
         super().__init__(layers=layers)
         self.policy = policy
+        if hooked:
+            attn.patched_while_passed(model, {m: la for m, la in zip(modules, layers) if la.implementation}, self)
 
     def nbytes(self) -> dict:
         """Bytes held by all layers: ``codes``, ``scales``, ``residual`` and ``total``."""

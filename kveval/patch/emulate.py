@@ -15,6 +15,11 @@ no FP prefill) it is one call over ``k̂`` alone. With ``prefill: fp`` and a pro
 queries see only full-precision keys: they run as a plain attention over the prompt, and only the T - P decoded
 queries attend over ``[k ; k̂]``.
 
+K/V transforms (``kveval.transforms``, through ``TensorQuantizer``): ``k̂`` is ``key_out(Q(key_in(k)))`` and ``k``
+stands for the full-precision key as attention reads it (``TensorQuantizer.full_precision``: ``k`` itself unless a
+transform keeps keys in its domain); the query goes through the query hooks and the attention output through the
+output hooks, exactly as around the real cache (``QuantizedKVCache``).
+
 Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
 """
 
@@ -29,32 +34,36 @@ from kveval.errors import KvevalError
 from kveval.patch import attention as attn
 from kveval.patch.diagnostics import TensorErrorStats
 from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, policy_scales
-from kveval.patch.rope_capture import rope_of, track_rope
+from kveval.patch.rope_capture import rope_for, track_rope
 from kveval.policy import KVPolicy
 from kveval.quant import QuantSpec
 
 
-def quantized_version(x: torch.Tensor, quantizer: TensorQuantizer, policy: KVPolicy, rope=None) -> torch.Tensor:
-    """The quantized version ``x̂`` of every token that the real cache would ever quantize.
+def quantized_version(x: torch.Tensor, quantizer: TensorQuantizer, policy: KVPolicy, rope=None,
+                      fp: torch.Tensor | None = None) -> torch.Tensor:
+    """The quantized version ``x̂`` of every token that the real cache would ever quantize, as attention reads it.
 
-    x: ``[batch, kv_heads, T, head_dim]``; ``rope = (cos, sin)`` ``[batch, T, head_dim]`` for pre-RoPE keys. Sink
-    tokens and, in block mode, the tokens of the last incomplete block are never quantized; they are returned
-    unchanged (the mask never selects their quantized version). Per-channel specs without calibrated scales take
-    statistics over each block of ``policy.residual`` tokens after the sinks.
+    x: ``[batch, kv_heads, T, head_dim]``; ``rope = (cos, sin)`` ``[batch, T, head_dim]`` when the quantizer's
+    transforms need it (pre-RoPE keys). ``fp``: x as attention reads it in full precision
+    (``quantizer.full_precision(x)``; default x). Sink tokens and, in block mode, the tokens of the last
+    incomplete block are never quantized; they are returned as ``fp`` (the mask never selects their quantized
+    version). Per-channel specs without calibrated scales take statistics over each block of ``policy.residual``
+    tokens after the sinks.
     """
+    fp = x if fp is None else fp
     if quantizer.is_none:
-        return x
+        return fp
     T = x.shape[-2]
     start = min(policy.sink_tokens, T)
     end = policy.quantized_block_end(T) if policy.residual_mode == "block" else T
     if end <= start:
-        return x
+        return fp
     block = policy.residual if quantizer.spec.granularity == "channel" else None
     part = None if rope is None else (rope[0][:, start:end], rope[1][:, start:end])
     region = quantizer.fake(x[:, :, start:end], block, part)
     if start == 0 and end == T:
         return region
-    return torch.cat([x[:, :, :start], region, x[:, :, end:]], dim=-2)
+    return torch.cat([fp[:, :, :start], region, fp[:, :, end:]], dim=-2)
 
 
 @dataclass
@@ -85,6 +94,11 @@ class LayerEmulation:
     def quantizes(self) -> bool:
         return not (self.key_spec.is_none and self.value_spec.is_none)
 
+    @property
+    def transforms_act(self) -> bool:
+        """Whether a transform acts on this layer's attention although nothing is quantized (a domain or a hook)."""
+        return any(q.reads_transformed or q.hooks_attention for q in (self.key_q, self.value_q))
+
     def visibility(self, T: int, device) -> torch.Tensor:
         """``M [T, T]``: True where query t sees token j (<= t) in full precision; cached per length."""
         key = (T, str(device))
@@ -97,16 +111,31 @@ class LayerEmulation:
     def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
         self.calls += 1
         stock = attn.stock_attention(module, self.implementation)
-        if not self.quantizes:
+        if not self.quantizes and not self.transforms_act:
             return stock(module, query, key, value, attention_mask, *args, **kwargs)
         T = key.shape[-2]
         if query.shape[-2] != T:
             raise KvevalError(
                 "emulate() evaluates whole sequences in one pass; do not pass past_key_values (use QuantizedKVCache to decode)"
             )
-        rope = rope_of(module, key.shape[-1]) if self.key_q.pre_rope else None
-        k_hat = quantized_version(key, self.key_q, self.policy, rope)
-        v_hat = quantized_version(value, self.value_q, self.policy)
+        kq, vq = self.key_q, self.value_q
+        rope = rope_for(module, key.shape[-1], kq, vq)
+        query = kq.query(query, rope)  # each of these returns its input when no transform acts
+        key_fp, value_fp = kq.full_precision(key, rope), vq.full_precision(value, rope)
+        if not self.quantizes:
+            out, weights = stock(module, query, key_fp, value_fp, attention_mask, *args, **kwargs)
+            return vq.output(out, rope), weights
+        out, weights = self._mixed(stock, module, query, key, value, key_fp, value_fp, rope, attention_mask,
+                                   *args, **kwargs)
+        return vq.output(out, rope), weights
+
+    def _mixed(self, stock, module, query, key, value, key_fp, value_fp, rope, attention_mask, *args, **kwargs):
+        """Attention of ``query`` (after the query hooks) over the full-precision (``key_fp``, ``value_fp``: as
+        attention reads them) and quantized versions of the model's ``key``/``value``; (output, weights)."""
+        T = key.shape[-2]
+        k_hat = quantized_version(key, self.key_q, self.policy, rope, key_fp)
+        v_hat = quantized_version(value, self.value_q, self.policy, rope, value_fp)
+        key, value = key_fp, value_fp
         if self.diagnostics:
             self.key_stats.update(key, k_hat)
             self.value_stats.update(value, v_hat)
@@ -168,7 +197,7 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
         raise KvevalError(f"{type(model).__name__}: no attention modules with a layer index found; cannot patch")
     base = attn.base_implementation(model)
     scales = policy_scales(policy, model)
-    if policy.pre_rope:
+    if any(t.needs_rope for t in policy.transform_sequence()):
         track_rope(model)
     num_layers = len(modules)
     states = []

@@ -1,11 +1,17 @@
 """What quantizes one layer's keys and values: the spec, calibrated parameters from the policy's scales file, and
-whether keys are quantized before RoPE. Shared by ``emulate`` and ``QuantizedKVCache`` so that both paths apply
-exactly the same quantizer to the same tensor.
+the layer's side of the policy's K/V transforms (``kveval.transforms``: pre-RoPE keys, rotations, ...). Shared by
+``emulate`` and ``QuantizedKVCache``: both paths apply exactly the same transforms and quantizer to the same tensor
+through the methods below (``fake`` in emulation; ``quantize`` + ``read_back`` in the cache; ``full_precision``
+for tokens never quantized; ``query`` and ``output`` around the attention call in both).
+
+Shapes: K/V ``x [batch, kv_heads, T, head_dim]``, queries ``[batch, heads, T, head_dim]``, attention outputs
+``[batch, heads, T, head_dim]``; ``rope = (cos, sin)`` ``[batch, T, head_dim]`` of the tensor's positions, needed
+only when ``needs_rope`` (else None).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,41 +19,79 @@ from kveval.errors import KvevalError
 from kveval.policy import AUTO_SCALES, KVPolicy
 from kveval.quant import QParams, QuantSpec, fake_quantize, quantize
 from kveval.quant.primitives import QuantizedTensor
-from kveval.rope import rotate, unrotate
+from kveval.transforms import TransformChain
+from kveval.transforms.base import Kind
+
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
 class TensorQuantizer:
     """One layer's K or V quantizer: ``spec`` plus fixed ``qparams`` (calibrated) or None (statistics), and
-    ``pre_rope`` (keys: quantize ``unrotate(k)`` and read back ``rotate(k̂)``)."""
+    ``transforms``, this tensor's chain (``key_in``/``value_in`` before quantization, ``*_out`` on read).
+
+    With a ``none`` spec nothing is quantized: the tensor only goes through the transforms that keep it in their
+    domain (``TransformChain.to_attention``), i.e. through none at all for pre-RoPE keys."""
 
     spec: QuantSpec
     qparams: QParams | None = None
-    pre_rope: bool = False
+    transforms: TransformChain = field(default_factory=lambda: TransformChain("key"))
 
     @property
     def is_none(self) -> bool:
         return self.spec.is_none
 
-    def fake(self, x: torch.Tensor, channel_block: int | None, rope=None) -> torch.Tensor:
-        """x̂ of x ``[batch, kv_heads, T, head_dim]``; ``rope = (cos, sin)`` ``[batch, T, head_dim]`` when pre_rope."""
+    @property
+    def needs_rope(self) -> bool:
+        """Whether the transform calls that run for this tensor (its query/output hooks included) need ``rope``;
+        with a ``none`` spec only the domain transforms and the hooks run."""
+        chain = self.transforms
+        if not self.spec.is_none:
+            return chain.needs_rope
+        return any(t.needs_rope for t in (*chain.domain, *chain.hook_transforms))
+
+    @property
+    def reads_transformed(self) -> bool:
+        """Whether full-precision tokens must be moved into a transform's domain before attention reads them."""
+        return bool(self.transforms.domain)
+
+    @property
+    def hooks_attention(self) -> bool:
+        """Whether a query hook (keys) or an output hook (values) acts around the attention call."""
+        return self.transforms.has_query_hook or self.transforms.has_output_hook
+
+    def fake(self, x: torch.Tensor, channel_block: int | None, rope: Rope | None = None) -> torch.Tensor:
+        """x̂ of x ``[batch, kv_heads, T, head_dim]`` as attention reads it: transforms in, fake quantization,
+        transforms out. ``rope``: ``(cos, sin)`` ``[batch, T, head_dim]`` of x's positions when ``needs_rope``."""
         if self.spec.is_none:
-            return x
-        if self.pre_rope:
-            cos, sin = rope
-            xq = fake_quantize(unrotate(x, cos, sin), self.spec, channel_block=channel_block, qparams=self.qparams)
-            return rotate(xq, cos, sin)
-        return fake_quantize(x, self.spec, channel_block=channel_block, qparams=self.qparams)
+            return self.transforms.to_attention(x, rope)
+        xs = self.transforms.forward(x, rope)
+        xq = fake_quantize(xs, self.spec, channel_block=channel_block, qparams=self.qparams)
+        return self.transforms.backward(xq, rope)
 
-    def quantize(self, x: torch.Tensor, channel_block: int | None, rope=None) -> QuantizedTensor:
-        """The stored form of x (pre-RoPE keys when ``pre_rope``)."""
-        if self.pre_rope and not self.spec.is_none:
-            x = unrotate(x, *rope)
-        return quantize(x, self.spec, self.qparams, channel_block=channel_block)
+    def quantize(self, x: torch.Tensor, channel_block: int | None, rope: Rope | None = None) -> QuantizedTensor:
+        """The stored form of x (after the transforms' ``*_in``: pre-RoPE keys with ``pre_rope``)."""
+        return quantize(self.transforms.forward(x, rope), self.spec, self.qparams, channel_block=channel_block)
 
-    def read_back(self, xq: torch.Tensor, rope=None) -> torch.Tensor:
-        """What attention sees from dequantized storage ``xq`` (rotated again when ``pre_rope``)."""
-        return rotate(xq, *rope) if self.pre_rope and not self.spec.is_none else xq
+    def read_back(self, xq: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+        """What attention reads from dequantized storage ``xq`` (the transforms' ``*_out``, in reverse order)."""
+        return self.transforms.backward(xq, rope)
+
+    def full_precision(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+        """A token kept in full precision (sinks, residual window, FP prefill) as attention reads it: x itself
+        unless a transform keeps this tensor in its domain."""
+        return self.transforms.to_attention(x, rope)
+
+    def query(self, q: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+        """The query ``[batch, heads, T, head_dim]`` before the dot product (key quantizers' query hooks)."""
+        return self.transforms.query(q, rope)
+
+    def output(self, o: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+        """The attention output in transformers' layout ``[batch, T, heads, head_dim]`` after the value
+        quantizer's output hooks (which see ``[batch, heads, T, head_dim]``); ``o`` itself without hooks."""
+        if not self.transforms.has_output_hook:
+            return o
+        return self.transforms.output(o.transpose(1, 2), rope).transpose(1, 2).contiguous()
 
 
 def policy_scales(policy: KVPolicy, model):
@@ -70,15 +114,23 @@ def policy_scales(policy: KVPolicy, model):
 def layer_quantizers(policy: KVPolicy, layer: int, num_layers: int, scales=None,
                      device: torch.device | str | None = None) -> tuple[TensorQuantizer, TensorQuantizer]:
     """(key, value) quantizers of one layer under ``policy``; ``scales`` from ``policy_scales``; calibrated
-    parameters are moved to ``device`` (the model's)."""
+    parameters are moved to ``device`` (the model's). The scales file's kind follows the stored domain
+    (``key_pre_rope`` with pre_rope); a transform whose stored domain no scales describe is a KvevalError."""
     key_spec, value_spec = policy.specs_for_layer(layer, num_layers)
+    sequence = policy.transform_sequence()
     out = []
-    for kind, spec in (("key", key_spec), ("value", value_spec)):
-        pre = policy.pre_rope and kind == "key" and not spec.is_none
+    kinds: tuple[tuple[Kind, QuantSpec], ...] = (("key", key_spec), ("value", value_spec))
+    for kind, spec in kinds:
+        chain = TransformChain.of(sequence, kind, layer)
         qp = None
         if scales is not None and policy.uses_static(spec):
-            qp = scales.qparams(layer, "key_pre_rope" if pre else kind, spec)
+            stored = chain.scales_kind()
+            if stored is None:
+                names = " > ".join(t.describe() for t in chain.transforms)
+                raise KvevalError(f"policy '{policy.name}': calibrated scales ({spec.describe()}) are not available "
+                                  f"for {kind}s stored after the transforms {names}; use a dynamic spec")
+            qp = scales.qparams(layer, stored, spec)
             if device is not None:
                 qp = QParams(qp.scale.to(device), None if qp.zero_point is None else qp.zero_point.to(device))
-        out.append(TensorQuantizer(spec, qp, pre))
+        out.append(TensorQuantizer(spec, qp, chain))
     return out[0], out[1]

@@ -1,4 +1,5 @@
-"""The rotary embedding each attention layer receives, captured so that keys can be quantized before RoPE.
+"""The rotary embedding each attention layer receives, captured for the K/V transforms that need it (pre-RoPE
+keys: ``KVTransform.needs_rope``).
 
 transformers' attention modules get ``position_embeddings = (cos, sin)`` ``[batch, T, head_dim]`` from the decoder
 layer and hand only the rotated keys to the attention function and to the cache. ``track_rope(model)`` adds a
@@ -44,22 +45,32 @@ def captured_rope(module: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor,
     return None
 
 
-def rope_of(module: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` ``[batch, T, head_dim]`` of the current forward call of ``module``."""
+def rope_of(module: torch.nn.Module, head_dim: int, user: str = "pre_rope") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[batch, T, head_dim]`` of the current forward call of ``module``; ``user`` (the transforms
+    that need it) names the feature in the errors."""
     pe = getattr(module, _ATTR, None)
     if not (isinstance(pe, (tuple, list)) and len(pe) == 2):
         raise KvevalError(
-            f"{type(module).__name__}: no rotary position embeddings reached this layer; pre_rope needs a RoPE model"
+            f"{type(module).__name__}: no rotary position embeddings reached this layer; {user} needs a RoPE model"
         )
     cos, sin = pe
     if cos.shape[-1] != head_dim:
         raise KvevalError(f"{type(module).__name__}: rotary dimension {cos.shape[-1]} != head_dim {head_dim}; "
-                          "pre_rope supports full-dimension RoPE only")
-    _check_rotate_half_form(module, cos, sin)
+                          f"{user} supports full-dimension RoPE only")
+    _check_rotate_half_form(module, cos, sin, user)
     return cos, sin
 
 
-def _check_rotate_half_form(module, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rope_for(module: torch.nn.Module, head_dim: int, *quantizers) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``rope_of(module)`` when one of the ``TensorQuantizer``s ``needs_rope``, else None (nothing read)."""
+    users = [q.transforms for q in quantizers if q.needs_rope]
+    if not users:
+        return None
+    names = sorted({t.name for chain in users for t in chain.transforms if t.needs_rope})
+    return rope_of(module, head_dim, ", ".join(names))
+
+
+def _check_rotate_half_form(module, cos: torch.Tensor, sin: torch.Tensor, user: str = "pre_rope") -> None:
     """Once per module: kveval's ``rotate`` must reproduce the model's own ``apply_rotary_pos_emb`` (models that
     interleave the pairs, or rotate differently, are refused instead of being inverted wrongly)."""
     if getattr(module, "_kveval_rope_checked", False):
@@ -69,14 +80,14 @@ def _check_rotate_half_form(module, cos: torch.Tensor, sin: torch.Tensor) -> Non
     name = type(module).__name__
     fn = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
     if fn is None:
-        raise KvevalError(f"{name}: no apply_rotary_pos_emb found next to it; pre_rope cannot check this model's RoPE")
+        raise KvevalError(f"{name}: no apply_rotary_pos_emb found next to it; {user} cannot check this model's RoPE")
     c, s = cos[:1, :8], sin[:1, :8]
     x = torch.randn(1, 1, c.shape[1], c.shape[-1], generator=torch.Generator().manual_seed(0)).to(c)
     try:
         ref = fn(x, x, c, s)[1]
     except (TypeError, RuntimeError, ValueError):
-        raise KvevalError(f"{name}: its apply_rotary_pos_emb has an unexpected form; pre_rope cannot invert it") from None
+        raise KvevalError(f"{name}: its apply_rotary_pos_emb has an unexpected form; {user} cannot invert it") from None
     if not torch.allclose(ref, rotate(x, c, s), rtol=1e-4, atol=1e-5):
         raise KvevalError(f"{name}: its rotary embedding is not the rotate-half form kveval inverts (interleaved?); "
-                          "pre_rope is not supported for this model")
+                          f"{user} is not supported for this model")
     module._kveval_rope_checked = True

@@ -6,6 +6,7 @@ Accepted (a config's ``kv: {policies: {NAME: ...}}`` entry, or a preset's config
     {preset: kivi2, residual: 64}                # a preset with fields replaced
     {key: int4_g64, value: int8, residual: 128, residual_mode: sliding, sink_tokens: 4, prefill: fp,
      scales: auto, pre_rope: true, layers: {"0-1": {spec: int8}, "last 2": {key: int8}}}
+    {spec: int4_g64, transforms: [pre_rope, {name: NAME, PARAM: VALUE}]}   # K/V transforms, in order
 
 A spec is a QuantSpec preset name or a mapping of QuantSpec fields (``{preset: int4_channel, outliers: 0.01}``).
 """
@@ -17,9 +18,10 @@ from typing import Any
 from kveval.errors import KvevalError, did_you_mean
 from kveval.policy.selectors import check_syntax
 from kveval.quant import QuantSpec, preset
+from kveval.transforms import parse_transforms
 
 POLICY_KEYS = ("preset", "key", "value", "spec", "layers", "residual", "residual_mode", "sink_tokens", "prefill",
-               "scales", "pre_rope")
+               "scales", "pre_rope", "transforms")
 OVERRIDE_KEYS = ("key", "value", "spec")
 
 
@@ -71,6 +73,8 @@ def policy_fields(cfg: dict, where: str) -> dict[str, Any]:
         if not isinstance(cfg["pre_rope"], bool):
             raise KvevalError(f"{where}.pre_rope: expected true or false, got {cfg['pre_rope']!r}")
         fields["pre_rope"] = cfg["pre_rope"]
+    if "transforms" in cfg:
+        fields["transforms"] = parse_transforms(cfg["transforms"] or [], f"{where}.transforms")
     if "layers" in cfg:
         fields["layers"] = parse_overrides(cfg["layers"], where)
     return fields

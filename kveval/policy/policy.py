@@ -22,7 +22,9 @@ Calibrated (static) scales: ``scales: PATH`` names a scales file written by ``kv
 calibrates one itself on a slice of the corpus disjoint from the evaluation). Specs of granularity ``tensor``,
 ``head`` or ``channel`` then use the file's parameters for every token (a calibrated per-channel spec needs no
 token blocks); token and group specs stay dynamic. ``pre_rope: true`` quantizes keys before the rotary embedding
-(KVQuant): the cache stores pre-RoPE keys and rotates them again when they are read.
+(KVQuant): the cache stores pre-RoPE keys and rotates them again when they are read. It is the first transform of
+the policy's sequence (``transform_sequence()``); ``transforms: [...]`` adds more (``kveval.transforms``: maps
+applied to K/V before quantization and undone on read, with hooks on the query and the attention output).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kveval.policy.parse import policy_fields
 from kveval.policy.presets import POLICY_PRESETS, policy_names
 from kveval.policy.selectors import layers_of
 from kveval.quant import QuantSpec, preset, preset_names
+from kveval.transforms import KVTransform, PreRope, check_sequence, parse_transforms
 
 RESIDUAL_MODES = ("sliding", "block")
 PREFILL_MODES = ("fp", "quantized")
@@ -71,8 +74,10 @@ class KVPolicy:
     prefill: str = "fp"
     scales: str | None = None
     pre_rope: bool = False
+    transforms: tuple[KVTransform, ...] = ()
 
     def __post_init__(self):
+        self._check_transforms()
         if self.residual < 0 or self.sink_tokens < 0:
             raise KvevalError(f"policy '{self.name}': residual and sink_tokens must be >= 0")
         if self.residual_mode not in RESIDUAL_MODES:
@@ -84,15 +89,15 @@ class KVPolicy:
         if self.scales is not None and (not isinstance(self.scales, str) or not self.scales.strip()):
             raise KvevalError(f"policy '{self.name}': scales must be a path to a scales file or 'auto'; got {self.scales!r}")
         for spec in self.all_specs():
-            if spec.granularity == "channel" and not spec.is_none and self.scales is None:
+            if not spec.is_none and spec.gran.token_blocks and not self.uses_static(spec):
                 if self.residual_mode != "block":
                     raise KvevalError(
                         f"policy '{self.name}': per-channel quantization takes its statistics over a block of tokens; "
                         "set residual_mode: block and residual: N (e.g. 128, as KIVI does), or calibrate static "
                         "scales (scales: auto)"
                     )
-            if spec.granularity in ("tensor", "head") and not spec.is_none and spec.static_scale is None \
-                    and self.scales is None:
+            if not spec.is_none and spec.gran.static_only and spec.static_scale is None \
+                    and not self.uses_static(spec):
                 raise KvevalError(
                     f"policy '{self.name}': '{spec.granularity}' granularity needs static scales (scales: auto, "
                     "scales: FILE from kveval calibrate, or static_scale: 1.0); dynamic per-tensor statistics would "
@@ -115,7 +120,8 @@ class KVPolicy:
     @classmethod
     def from_config(cls, cfg: dict | str, name: str | None = None) -> KVPolicy:
         """A policy from its config form (``kveval.policy.parse``): a preset name, or a mapping with the keys
-        ``preset, key, value, spec (both), layers, residual, residual_mode, sink_tokens, prefill, scales, pre_rope``."""
+        ``preset, key, value, spec (both), layers, residual, residual_mode, sink_tokens, prefill, scales, pre_rope,
+        transforms``."""
         if isinstance(cfg, str):
             policy = cls.preset(cfg)
             return replace(policy, name=name) if name else policy
@@ -141,6 +147,8 @@ class KVPolicy:
             out["scales"] = self.scales
         if self.pre_rope:
             out["pre_rope"] = True
+        if self.transforms:
+            out["transforms"] = [t.to_config() for t in self.transforms]
         if self.layers:
             out["layers"] = {
                 o.selector: {k: s.to_dict() for k, s in (("key", o.key), ("value", o.value)) if s is not None}
@@ -149,6 +157,23 @@ class KVPolicy:
         return out
 
     # --- queries ------------------------------------------------------------------------------------------------
+    def transform_sequence(self) -> tuple[KVTransform, ...]:
+        """The K/V transforms in the order they apply before quantization: ``pre_rope`` first when set, then
+        ``transforms``."""
+        return ((PreRope(),) if self.pre_rope else ()) + self.transforms
+
+    def _check_transforms(self) -> None:
+        """Transforms given in config form (names, mappings) become a tuple of ``KVTransform``; a leading
+        ``pre_rope`` becomes ``pre_rope: true`` (one policy, one resolved config); the order of the sequence is
+        checked (``kveval.transforms.check_sequence``)."""
+        given: Any = self.transforms
+        if not isinstance(given, tuple) or not all(isinstance(t, KVTransform) for t in given):
+            object.__setattr__(self, "transforms", parse_transforms(given, f"policy '{self.name}'.transforms"))
+        if self.transforms and self.transforms[0] == PreRope() and not self.pre_rope:
+            object.__setattr__(self, "pre_rope", True)
+            object.__setattr__(self, "transforms", self.transforms[1:])
+        check_sequence(self.transform_sequence(), f"policy '{self.name}'")
+
     def all_specs(self) -> list[QuantSpec]:
         specs = [self.key, self.value]
         for o in self.layers:
@@ -170,9 +195,9 @@ class KVPolicy:
         return all(s.is_none for s in self.all_specs())
 
     def uses_static(self, spec: QuantSpec) -> bool:
-        """Whether ``spec`` takes its parameters from the policy's scales file (tensor, head, channel granularity)."""
-        return self.scales is not None and not spec.is_none and spec.ggml is None and \
-            spec.granularity in ("tensor", "head", "channel")
+        """Whether ``spec`` takes its parameters from the policy's scales file (tensor, head, channel granularity,
+        a format that takes calibrated parameters: ``spec.calibratable``)."""
+        return self.scales is not None and spec.calibratable
 
     def needs_scales_file(self) -> bool:
         """Whether any spec of the policy reads the scales file."""
@@ -203,6 +228,8 @@ class KVPolicy:
             extra.append(f"{len(self.layers)} layer override(s)")
         if self.pre_rope:
             extra.append("pre-RoPE keys")
+        if self.transforms:
+            extra.append("transforms " + " > ".join(t.describe() for t in self.transforms))
         if self.needs_scales_file():
             extra.append("calibrated scales" + ("" if self.scales == AUTO_SCALES else f" ({self.scales})"))
         return ", ".join([kv, *extra])

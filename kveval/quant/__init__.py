@@ -1,8 +1,11 @@
-"""Pure-maths KV-cache quantizers: QuantSpec (what), primitives (how), presets (named specs).
+"""Pure-maths KV-cache quantizers: QuantSpec (what), formats and granularities (the maths, as plug-ins: a new
+format is one module registered with `register_format`), primitives (how), presets (named specs).
 
 Tensors are K or V states [batch, kv_heads, seq, head_dim]. Imports nothing from transformers or the rest of kveval.
 """
 
+from .formats import QuantFormat, format_names, get_format, register_format, unregister_format
+from .granularity import Granularity, granularity_of
 from .presets import preset, preset_names
 from .primitives import (
     QParams,
@@ -34,4 +37,11 @@ __all__ = [
     "split_outliers",
     "preset",
     "preset_names",
+    "QuantFormat",
+    "register_format",
+    "unregister_format",
+    "get_format",
+    "format_names",
+    "Granularity",
+    "granularity_of",
 ]

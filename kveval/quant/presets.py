@@ -1,13 +1,15 @@
 """Named QuantSpecs: `preset("int4_g64")`; `preset_names()` and `describe_presets()` feed `kveval ls`.
 
-Adding a preset is one entry in PRESETS: name -> (QuantSpec, one-line description).
+Adding a preset is one entry in PRESETS: name -> (QuantSpec, one-line description). A new format (a module in
+`formats/`) needs one here too: tests/quant/test_format_plugin.py runs every registered format through one preset.
 """
 
 from __future__ import annotations
 
 import difflib
 
-from .spec import GGML_BLOCK, GGML_TYPES, QuantSpec
+from .formats import GGML_BLOCK, GGML_TYPES
+from .spec import QuantSpec
 
 
 def _int(bits: int, mapping: str, granularity: str, group_size: int | None = None, **kw) -> QuantSpec:

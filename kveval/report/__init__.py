@@ -5,21 +5,23 @@
     plots.quality_vs_memory(res)          # a matplotlib Figure
     report_command(["results/int4_g64"])  # report.md, report.html, tables/*.csv, plots/*.png in the run folder
 
-The loader is imported eagerly (pandas, yaml); the plotting side lazily, so that loading results does not import
-matplotlib. (``kveval.results.read`` names the function ``load``; the module is ``sys.modules["kveval.results.read"]``.)
+Run folders are read only through :mod:`kveval.results` (``load`` and ``read_metrics`` are its own, re-exported
+here). The loader is imported eagerly (pandas, yaml); the plotting side lazily, so that loading results does not
+import matplotlib. The needle and sensitivity tasks' own figures are drawn here too (``task_figures``), from their
+metrics, never by the tasks.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from kveval.results.read import RunResults, load, read_metrics
+from kveval.results import RunResults, load, read_metrics
 
 _EXPORTS = {
     "report_command": "kveval.report.render",
     "write_run_report": "kveval.report.render",
 }
-_MODULES = ("plots", "tables", "render", "synthetic")
+_MODULES = ("plots", "tables", "render", "synthetic", "task_figures")
 
 __all__ = ["RunResults", "load", "read_metrics", *_EXPORTS, *_MODULES]
 

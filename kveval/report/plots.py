@@ -1,4 +1,4 @@
-"""The report's figures, from loaded results (:func:`kveval.results.read`); matplotlib, no pyplot state.
+"""The report's figures, from loaded results (:func:`kveval.results.load`); matplotlib, no pyplot state.
 
 Every function takes one :class:`RunResults` (or a list, for the cross-run plot) and returns a
 ``matplotlib.figure.Figure``, or ``None`` when the run holds nothing to draw (a task that did not run). In a
@@ -19,7 +19,7 @@ from matplotlib.colors import LogNorm, TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from kveval.results.read import BASELINE, RunResults
+from kveval.results import BASELINE, RunResults
 
 # Okabe & Ito (2008), "Color Universal Design": black first for the baseline
 OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#000000"]
@@ -579,8 +579,8 @@ def bits_per_layer(res: RunResults) -> Figure | None:
         kb, vb = [], []
         for i in range(n_layers):
             ks, vs = pol.specs_for_layer(i, n_layers)
-            kb.append(16 if ks.is_none else _spec_bits(ks))
-            vb.append(16 if vs.is_none else _spec_bits(vs))
+            kb.append(ks.code_bits)
+            vb.append(vs.code_bits)
         x = np.arange(n_layers)
         ax.bar(x - 0.2, kb, 0.4, color="#0072B2", label="keys")
         ax.bar(x + 0.2, vb, 0.4, color="#E69F00", hatch="..", edgecolor="black", lw=0.3, label="values")
@@ -592,13 +592,6 @@ def bits_per_layer(res: RunResults) -> Figure | None:
     axes[-1].set_xlabel("layer")
     fig.suptitle(f"{res.name}: bits per layer of mixed-precision policies")
     return fig
-
-
-def _spec_bits(spec) -> float:
-    bits = getattr(spec, "bits", None)
-    if getattr(spec, "format", "") in ("fp8_e4m3", "fp8_e5m2"):
-        return 8
-    return float(bits) if bits else 16
 
 
 #: The per-run figures of the report: file stem -> function.

@@ -23,7 +23,8 @@ import pandas as pd
 
 from kveval.errors import KvevalError
 from kveval.report import plots, tables
-from kveval.results.read import BASELINE, RunResults, load
+from kveval.report.task_figures import write_task_figures
+from kveval.results import BASELINE, RunResults, load
 
 CAPTIONS = {
     "quality_vs_memory": "Quality against memory: one point per policy; dashed: the Pareto front (no other policy "
@@ -57,7 +58,8 @@ def report_command(run_dirs: Sequence[str | Path], out: str | Path | None = None
 
     ``out`` defaults to the run folder (one run) or ``reports/<YYYY-MM-DD>`` (several). Returns the output folder.
     A missing or corrupt results folder raises :class:`KvevalError` with a one-line message before anything is
-    written.
+    written. One run also gets its tasks' own figures (needle heatmaps, the scan's heatmap and ranking, for the
+    tasks whose ``plots`` parameter is true: :func:`kveval.report.task_figures.write_task_figures`).
     """
     if not run_dirs:
         raise KvevalError("give at least one results folder (results/<run>)")
@@ -71,11 +73,14 @@ def report_command(run_dirs: Sequence[str | Path], out: str | Path | None = None
     title = f"kveval report: {', '.join(r.name for r in runs)}"
     (out / "report.md").write_text(to_markdown(blocks))
     (out / "report.html").write_text(to_html(blocks, title, out))
+    if len(runs) == 1:
+        write_task_figures(runs[0], out)
     return out
 
 
 def write_run_report(run_dir: Path) -> None:
-    """What ``kveval run`` calls at the end of every run: the report into the run folder.
+    """What ``kveval run`` calls at the end of every run: the report into the run folder, with the figures of its
+    needle and sensitivity tasks (which draw nothing themselves).
 
     A report must never cost the run its results: an error is printed as one line on stderr and swallowed
     (``kveval report RUN_DIR`` reruns it and shows the error in full).
@@ -206,7 +211,7 @@ def _corpus(r: RunResults) -> str:
 
 
 def _overview(r: RunResults) -> list[str]:
-    m, base = r.metrics, r.metrics.get("baseline") or {}
+    m, base = r.metrics, r.metrics.get(BASELINE) or {}
     items = [f"Model: {m.get('model') or (r.config.get('model') or {}).get('name', '?')}"
              + (f" ({r.config['model'].get('dtype')}, {r.config['model'].get('device')})"
                 if isinstance(r.config.get("model"), dict) else ""),
@@ -263,14 +268,6 @@ def _env_table(r: RunResults) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------- automatic reading
 
 
-def _bits_label(spec) -> str:
-    if spec.is_none:
-        return "16"
-    if spec.format.startswith("fp8"):
-        return "FP8"
-    return str(spec.bits)
-
-
 def _spec_rank(spec) -> float:
     if spec.is_none:
         return 16
@@ -317,8 +314,8 @@ def reading_of(r: RunResults) -> list[str]:
             continue
         a, b = s.loc[lowk], s.loc[lowv]
         pk = KVPolicy.from_config(r.policy_config(lowk), name=lowk)
-        lab_k = f"K{_bits_label(pk.key)}/V{_bits_label(pk.value)}"
-        lab_v = f"K{_bits_label(pk.value)}/V{_bits_label(pk.key)}"
+        lab_k = f"K{pk.key.bits_label}/V{pk.value.bits_label}"
+        lab_v = f"K{pk.value.bits_label}/V{pk.key.bits_label}"
         da, db = a["delta_ppl_pct"], b["delta_ppl_pct"]
         if not (_ok(da) and _ok(db)):
             continue

@@ -15,15 +15,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from kveval.results import BASELINE, CONFIG_FILE, ENV_FILE, METRICS_FILE, RECORDS_FILE
+
 LAYERS, KV_HEADS, HEAD_DIM, CONTEXT = 4, 2, 64, 512
 DEFAULT_POLICIES = ("int8", "int4_g64", "k4v8", "k8v4", "kivi2", "mixed")
 _MIXED = {"key": "int4_g64", "value": "int4_g64", "layers": {"0-1": {"spec": "int8"}}}
-
-
-def _bits(spec) -> float:
-    if spec.is_none:
-        return 16.0
-    return 8.0 if spec.format.startswith("fp8") else float(spec.bits)
 
 
 def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_POLICIES, *, name: str | None = None,
@@ -58,8 +54,8 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
                                     for c in contexts for d in depths]
     metrics_pols = {}
     for pname, pol in pols.items():
-        kb = np.mean([_bits(pol.specs_for_layer(i, LAYERS)[0]) for i in range(LAYERS)])
-        vb = np.mean([_bits(pol.specs_for_layer(i, LAYERS)[1]) for i in range(LAYERS)])
+        kb = np.mean([float(pol.specs_for_layer(i, LAYERS)[0].code_bits) for i in range(LAYERS)])
+        vb = np.mean([float(pol.specs_for_layer(i, LAYERS)[1].code_bits) for i in range(LAYERS)])
         damage = 2.0 * 4.0 ** (4 - kb) + 0.7 * 4.0 ** (4 - vb)  # keys hurt more than values
         if pol.residual:
             damage *= 0.5
@@ -75,8 +71,8 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
             "layers_quantized": LAYERS,
             "layer_errors": [
                 {"layer": i,
-                 **{f"{t}_{k}": v for t, bits in (("key", _bits(pol.specs_for_layer(i, LAYERS)[0])),
-                                                  ("value", _bits(pol.specs_for_layer(i, LAYERS)[1])))
+                 **{f"{t}_{k}": v for t, bits in (("key", float(pol.specs_for_layer(i, LAYERS)[0].code_bits)),
+                                                  ("value", float(pol.specs_for_layer(i, LAYERS)[1].code_bits)))
                     for k, v in (("rel_mse", 4.0 ** -bits * (3 if t == "key" else 1) * (1 + 0.3 * i)),
                                  ("sqnr_db", 6.02 * bits), ("max_abs_err", 2.0 ** -bits),
                                  ("outlier_channels", [3, 17]), ("outlier_ratio", [4.2, 2.1]))}}
@@ -101,7 +97,7 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
             m["needle_answer_logprob"] = float(np.mean([c["logprob"] for c in cells]))
             m["needle_token_acc"] = float(np.mean([c["token_acc"] for c in cells]))
         metrics_pols[pname] = m
-    metrics = {"run": name, "model": "builtin:tiny-llama", "baseline": baseline, "policies": metrics_pols,
+    metrics = {"run": name, "model": "builtin:tiny-llama", BASELINE: baseline, "policies": metrics_pols,
                "memory": {"arch": arch.to_dict(), "context": CONTEXT, "gpu_memory": None}}
     if sensitivity:
         metrics["sensitivity"] = {"cells": [
@@ -122,13 +118,13 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
            "git_commit": None, "device": "cpu", "threads": 2, "command": f"kveval run configs/{name}.yaml",
            "argv": ["kveval", "run", f"configs/{name}.yaml"],
            "started": "2026-01-01T10:00:00+00:00", "finished": "2026-01-01T10:03:00+00:00"}
-    (path / "config.resolved.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    (path / "env.json").write_text(json.dumps(env, indent=2))
-    (path / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    (path / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+    (path / ENV_FILE).write_text(json.dumps(env, indent=2))
+    (path / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
     if records:
-        with open(path / "records.jsonl", "w") as fh:
+        with open(path / RECORDS_FILE, "w") as fh:
             for w in range(8):
-                for p in ["baseline", *pols]:
+                for p in [BASELINE, *pols]:
                     fh.write(json.dumps({"key": f"perplexity/w{w}/{p}", "task": "perplexity", "window": w,
                                          "policy": p, "n_tokens": 511, "nll_sum": 511 * 2.7}) + "\n")
     return path

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kveval.results.read import BASELINE, RunResults
+from kveval.results import BASELINE, RunResults
 
 
 def summary(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:

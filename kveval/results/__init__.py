@@ -1,29 +1,64 @@
 """The results feature: the one place that writes and reads run folders (``results/<run>/``).
 
-``store`` owns a run folder while a run writes it (resolved config, env.json, records.jsonl appended as work
-completes, metrics.json written atomically); ``read`` loads a finished folder into pandas for reports and
-notebooks::
+``layout`` names a run folder's files and the baseline, and says what each file holds; ``store`` owns a run folder
+while a run writes it (resolved config, env.json, records.jsonl appended as work completes, metrics.json written
+atomically); ``read`` loads a finished folder into pandas for reports, notebooks and ``kveval plan``::
 
     import kveval.results as r
     res = r.load("results/int4_g64")    # RunResults: summary, positions, layers, needle, sensitivity, memory
+
+Every name below is importable from here; the modules load on first use, so that a task module importing
+``kveval.results.layout`` does not import pandas. The atomic writes and the JSONL reader live in
+:mod:`kveval.fileio` (data and model caches use them too) and are re-exported here.
 """
 
-from kveval.results.read import RunResults, load
-from kveval.results.store import (
-    CONFIG_FILE,
-    ENV_FILE,
-    METRICS_FILE,
-    RECORDS_FILE,
-    RunDir,
-    atomic_write_json,
-    atomic_write_text,
-    environment,
-    now,
-    read_metrics,
-    record_key,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kveval.fileio import atomic_write_json, atomic_write_text, read_jsonl
+    from kveval.results.layout import (
+        BASELINE,
+        CONFIG_FILE,
+        ENV_FILE,
+        METRICS_FILE,
+        PLOTS_DIR,
+        RECORDS_FILE,
+        SCALES_FILE,
+        SCALES_USED_FILE,
+        TABLES_DIR,
+    )
+    from kveval.results.read import RunResults, load, read_config, read_env, read_metrics, read_records
+    from kveval.results.store import RunDir, environment, now, record_key
+
+_HOMES = {
+    "kveval.fileio": ("atomic_write_json", "atomic_write_text", "read_jsonl"),
+    "kveval.results.layout": ("BASELINE", "CONFIG_FILE", "ENV_FILE", "METRICS_FILE", "PLOTS_DIR", "RECORDS_FILE",
+                              "SCALES_FILE", "SCALES_USED_FILE", "TABLES_DIR"),
+    "kveval.results.read": ("RunResults", "load", "read_config", "read_env", "read_metrics", "read_records"),
+    "kveval.results.store": ("RunDir", "environment", "now", "record_key"),
+}
+_EXPORTS = {name: module for module, names in _HOMES.items() for name in names}
+
+_MODULES = ("layout", "read", "store")
 
 __all__ = [
-    "CONFIG_FILE", "ENV_FILE", "METRICS_FILE", "RECORDS_FILE", "RunDir", "RunResults", "atomic_write_json",
-    "atomic_write_text", "environment", "load", "now", "read_metrics", "record_key",
+    "BASELINE", "CONFIG_FILE", "ENV_FILE", "METRICS_FILE", "PLOTS_DIR", "RECORDS_FILE", "SCALES_FILE",
+    "SCALES_USED_FILE", "TABLES_DIR", "RunDir", "RunResults", "atomic_write_json", "atomic_write_text",
+    "environment", "load", "now", "read_config", "read_env", "read_jsonl", "read_metrics", "read_records",
+    "record_key",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(f"kveval.results.{name}")
+    raise AttributeError(f"module 'kveval.results' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | set(_MODULES))

@@ -1,16 +1,18 @@
-"""Read a results folder (DESIGN.md section 4) into pandas: the API of the notebooks and of the report.
+"""Read a results folder into pandas: the reading side of the results contract, the API of the notebooks, of the
+report and of ``kveval plan`` (file names and what each holds: :mod:`kveval.results.layout`).
 
-    from kveval.report import load
+    from kveval.results import load
     res = load("results/int4_g64")
     res.summary            # one row per policy, the baseline first
     res.positions          # loss / KLD by token position bin, long format
     res.layers             # per-layer K/V quantization error, one row per (policy, layer)
     res.records            # records.jsonl as a DataFrame (one row per unit of work)
 
-Only the documented files are read (``metrics.json``, ``config.resolved.yaml``, ``env.json``,
-``records.jsonl``), so old runs and runs from other machines load alike; what a run did not measure is absent
-(an empty frame, or NaN in a column), never an error. The memory columns of runs that predate them are computed
-from the resolved config with :mod:`kveval.memory` (pure arithmetic) when the model's shape is known.
+The raw documents: :func:`read_metrics`, :func:`read_config`, :func:`read_env`, :func:`read_records`. Only the
+documented files are read (``metrics.json``, ``config.resolved.yaml``, ``env.json``, ``records.jsonl``), so old
+runs and runs from other machines load alike; what a run did not measure is absent (an empty frame, or NaN in a
+column), never an error. The memory columns of runs that predate them are computed from the resolved config with
+:mod:`kveval.memory` (pure arithmetic) when the model's shape is known.
 """
 
 from __future__ import annotations
@@ -25,12 +27,8 @@ import pandas as pd
 import yaml
 
 from kveval.errors import KvevalError
-
-CONFIG_FILE = "config.resolved.yaml"
-ENV_FILE = "env.json"
-RECORDS_FILE = "records.jsonl"
-METRICS_FILE = "metrics.json"
-BASELINE = "baseline"
+from kveval.fileio import read_jsonl
+from kveval.results.layout import BASELINE, CONFIG_FILE, ENV_FILE, METRICS_FILE, RECORDS_FILE
 
 #: Columns of ``RunResults.summary`` (always present, NaN where the run did not measure them).
 SUMMARY_COLUMNS = [
@@ -99,16 +97,27 @@ class RunResults:
         """The policy's config form (``kv.policies.NAME``), or None."""
         return ((self.config.get("kv") or {}).get("policies") or {}).get(name)
 
+    def task_params(self, kind: str) -> list[dict]:
+        """The parameters of every ``kind`` task (``"needle"``, ``"sensitivity"``...) of the resolved config, in
+        the config's order; ``[]`` when the run had none."""
+        return [entry[kind] for entry in self.config.get("tasks") or []
+                if isinstance(entry, dict) and isinstance(entry.get(kind), dict)]
 
-def _read_json(path: Path, what: str) -> Any:
+
+def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise KvevalError(f"{path} is not valid JSON (line {exc.lineno}); rerun the config to rebuild it") from None
 
 
-def read_metrics(run_dir: Path) -> dict:
-    """``metrics.json`` of a run; a missing or corrupt file raises KvevalError with a one-line message."""
+def read_metrics(run_dir: str | Path) -> dict:
+    """``metrics.json`` of a run folder.
+
+    Raises :class:`KvevalError` with a one-line message when ``run_dir`` is not a folder, when it has no
+    ``metrics.json`` (saying whether its run is unfinished: records or a config but no metrics yet), or when the
+    file is not valid JSON or has no ``policies`` mapping.
+    """
     run_dir = Path(run_dir)
     path = run_dir / METRICS_FILE
     if not run_dir.is_dir():
@@ -118,25 +127,39 @@ def read_metrics(run_dir: Path) -> dict:
             raise KvevalError(f"{run_dir} has no {METRICS_FILE} yet: its run is unfinished or was interrupted; "
                               "rerun its command to resume and finish it")
         raise KvevalError(f"{path} does not exist; is {run_dir} a kveval results folder?")
-    metrics = _read_json(path, "metrics")
+    metrics = _read_json(path)
     if not isinstance(metrics, dict) or not isinstance(metrics.get("policies", {}), dict):
         raise KvevalError(f"{path} is not a kveval metrics document (no 'policies' mapping); rerun the config")
     return metrics
 
 
-def _read_records(path: Path) -> list[dict]:
-    out = []
+def read_config(run_dir: str | Path) -> dict:
+    """``config.resolved.yaml`` of a run folder as plain data; ``{}`` when the file is absent (or not a mapping).
+
+    Raises :class:`KvevalError` with a one-line message when the file is not valid YAML.
+    """
+    path = Path(run_dir) / CONFIG_FILE
     if not path.exists():
-        return out
-    with open(path) as fh:
-        for line in fh:
-            if not line.endswith("\n"):
-                break  # a torn last line (killed process)
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return out
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        raise KvevalError(f"{path} is not valid YAML; rerun the config to rebuild it") from None
+    return config if isinstance(config, dict) else {}
+
+
+def read_env(run_dir: str | Path) -> dict:
+    """``env.json`` of a run folder; ``{}`` when the file is absent (or not a mapping); KvevalError (one line)
+    when it is not valid JSON."""
+    path = Path(run_dir) / ENV_FILE
+    env = _read_json(path) if path.exists() else {}
+    return env if isinstance(env, dict) else {}
+
+
+def read_records(run_dir: str | Path) -> list[dict]:
+    """``records.jsonl`` of a run folder, one dict per complete record (:func:`kveval.fileio.read_jsonl`: a torn
+    last line is ignored, reading stops at a line that is not JSON); ``[]`` when the file is absent."""
+    return read_jsonl(Path(run_dir) / RECORDS_FILE)
 
 
 def _num(value: Any) -> float:
@@ -216,7 +239,7 @@ def _memory(name: str, metrics: dict, config: dict) -> pd.DataFrame:
 
 def _summary(name: str, metrics: dict, config: dict, memory: pd.DataFrame) -> pd.DataFrame:
     pols = ((config.get("kv") or {}).get("policies") or {})
-    base = metrics.get("baseline") or {}
+    base = metrics.get(BASELINE) or {}
     entries = [(BASELINE, base)] + list((metrics.get("policies") or {}).items())
     fp16_bpt = None
     if not memory.empty and (memory["policy"] == BASELINE).any():
@@ -256,7 +279,7 @@ def _summary(name: str, metrics: dict, config: dict, memory: pd.DataFrame) -> pd
 
 def _positions(name: str, metrics: dict) -> pd.DataFrame:
     rows = []
-    base = metrics.get("baseline") or {}
+    base = metrics.get(BASELINE) or {}
     base_loss = base.get("loss_by_position") or []
     for pname, m in [(BASELINE, base), *(metrics.get("policies") or {}).items()]:
         m = m or {}
@@ -296,7 +319,7 @@ def _layers(name: str, metrics: dict) -> pd.DataFrame:
 
 def _needle(name: str, metrics: dict) -> pd.DataFrame:
     rows = []
-    for pname, m in [(BASELINE, metrics.get("baseline") or {}), *(metrics.get("policies") or {}).items()]:
+    for pname, m in [(BASELINE, metrics.get(BASELINE) or {}), *(metrics.get("policies") or {}).items()]:
         for cell in (m or {}).get("needle_cells") or []:
             if isinstance(cell, dict):
                 rows.append({"run": name, "policy": pname, **{c: cell.get(c) for c in NEEDLE_COLUMNS[2:]}})
@@ -318,22 +341,17 @@ def load(run_dir: str | Path) -> RunResults:
     """
     path = Path(run_dir)
     metrics = read_metrics(path)
-    config: dict = {}
-    if (path / CONFIG_FILE).exists():
-        try:
-            config = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
-        except yaml.YAMLError:
-            raise KvevalError(f"{path / CONFIG_FILE} is not valid YAML; rerun the config to rebuild it") from None
-    env: dict = _read_json(path / ENV_FILE, "env") if (path / ENV_FILE).exists() else {}
+    config = read_config(path)
+    env = read_env(path)
     name = str(metrics.get("run") or config.get("name") or path.name)
     memory = _memory(name, metrics, config)
     return RunResults(
-        path=path, name=name, metrics=metrics, config=config if isinstance(config, dict) else {},
-        env=env if isinstance(env, dict) else {},
+        path=path, name=name, metrics=metrics, config=config, env=env,
         summary=_summary(name, metrics, config, memory), positions=_positions(name, metrics),
         layers=_layers(name, metrics), needle=_needle(name, metrics), sensitivity=_sensitivity(name, metrics),
-        memory=memory, records=pd.DataFrame(_read_records(path / RECORDS_FILE)),
+        memory=memory, records=pd.DataFrame(read_records(path)),
     )
 
 
-__all__ = ["RunResults", "load", "read_metrics", "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS"]
+__all__ = ["BASELINE", "RunResults", "load", "read_metrics", "read_config", "read_env", "read_records",
+           "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS"]

@@ -1,9 +1,10 @@
-"""Run folders: the results contract of DESIGN.md section 4.
+"""Run folders while a run writes them: the writing side of the results contract (docs/design.md section 4).
 
 ``results/<run>/`` holds ``config.resolved.yaml``, ``env.json``, ``records.jsonl`` (one JSON object per unit of
-work, appended and flushed as it completes) and ``metrics.json`` (aggregates, written atomically). A rerun of the
-same config resumes: units whose key is already in ``records.jsonl`` are skipped. A different config aimed at the
-same folder is refused unless ``overwrite=True``.
+work, appended and flushed as it completes) and ``metrics.json`` (aggregates, written atomically); the names and
+what each file holds are in :mod:`kveval.results.layout`, the reading side in :mod:`kveval.results.read`. A
+rerun of the same config resumes: units whose key is already in ``records.jsonl`` are skipped. A different config
+aimed at the same folder is refused unless ``overwrite=True``.
 """
 
 from __future__ import annotations
@@ -14,39 +15,14 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from kveval.errors import KvevalError
-
-CONFIG_FILE = "config.resolved.yaml"
-ENV_FILE = "env.json"
-RECORDS_FILE = "records.jsonl"
-METRICS_FILE = "metrics.json"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file so that readers see the old or the new content, never a half-written one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, allow_nan=True) + "\n")
+from kveval.fileio import atomic_write_json, atomic_write_text, read_jsonl
+from kveval.results.layout import CONFIG_FILE, ENV_FILE, METRICS_FILE, RECORDS_FILE
 
 
 def _git_commit() -> str | None:
@@ -124,19 +100,9 @@ class RunDir:
         return self.path / RECORDS_FILE
 
     def records(self) -> list[dict]:
-        """Every complete record; a line cut short by a killed process (the last one) is ignored."""
-        if not self.records_path.exists():
-            return []
-        out = []
-        with open(self.records_path) as fh:
-            for line in fh:
-                if not line.endswith("\n"):
-                    break  # torn write at the end of the file
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-        return out
+        """Every complete record, in order (:func:`kveval.fileio.read_jsonl`: a line cut short by a killed process,
+        the last one, is ignored; reading stops at a line that is not JSON)."""
+        return read_jsonl(self.records_path)
 
     def done_keys(self) -> set[str]:
         return {record_key(r) for r in self.records()}
@@ -169,18 +135,12 @@ class RunDir:
         atomic_write_json(self.path / METRICS_FILE, metrics)
 
     def metrics(self) -> dict:
+        """``metrics.json`` (:func:`kveval.results.read.read_metrics`: a missing or corrupt file is a one-line
+        KvevalError)."""
+        from kveval.results.read import read_metrics  # the reading side (pandas) only when asked
+
         return read_metrics(self.path)
 
 
 def now() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def read_metrics(run_dir: Path) -> dict:
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        raise KvevalError(f"{path} does not exist; is {run_dir} a kveval results folder?")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise KvevalError(f"{path} is not valid JSON (line {exc.lineno}); rerun the config to rebuild it") from None

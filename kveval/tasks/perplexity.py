@@ -16,10 +16,10 @@ from pydantic import Field, model_validator
 from kveval.data import token_windows
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
+from kveval.results.layout import BASELINE
 from kveval.schema import Strict
 from kveval.stats import bin_sums, bootstrap_ratio_ci, compare_logits
 
-BASELINE = "baseline"
 NAME = "perplexity"
 
 
@@ -280,7 +280,7 @@ def aggregate(records: list[dict], policies: list[str], params: Params, *, seed:
     base.update(_noise_summary(noise.get(BASELINE, [])))
     for k in ("kld_mean", "kld_ci95", "top1_agree", "kld_by_position"):
         base.pop(k, None)
-    out = {"baseline": base, "policies": {}}
+    out = {BASELINE: base, "policies": {}}
     for name in policies:
         s = _summarise(by_policy[name], params, seed)
         s["delta_ppl"] = s["ppl"] - base["ppl"]

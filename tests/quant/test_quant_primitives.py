@@ -159,7 +159,7 @@ def test_fp8_static_scale_one_is_a_saturating_cast():
 
 
 def test_fp8_decode_is_exact_for_every_byte():
-    from kveval.quant.primitives import _fp8_to_float
+    from kveval.quant.formats.fp8 import _fp8_to_float
 
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         codes = torch.arange(256, dtype=torch.uint8).view(fp8)

@@ -28,9 +28,9 @@ from typing import Literal
 from pydantic import Field
 
 from kveval.errors import KvevalError
+from kveval.results.layout import BASELINE
 from kveval.schema import Strict
 
-BASELINE = "baseline"
 NAME = "lm_eval"
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 _TASK_MANAGERS: dict = {}
@@ -173,7 +173,7 @@ def aggregate(records: list[dict], policies: list[str], params: Params) -> dict:
             for sub, metrics in rec["results"].items():
                 slot[sub] = {**metrics, "layers_quantized": rec["layers_quantized"]}
     base = by_policy.get(BASELINE, {})
-    out = {"baseline": {"lm_eval": base}, "policies": {}}
+    out = {BASELINE: {"lm_eval": base}, "policies": {}}
     for name in policies:
         entry = {}
         for sub, metrics in by_policy.get(name, {}).items():

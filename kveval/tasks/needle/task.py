@@ -14,21 +14,22 @@ Per (trial, policy), one record:
 metrics.json, per policy (and baseline): ``needle_accuracy``, ``needle_answer_logprob``, ``needle_token_acc``,
 ``needle_trials``, ``needle_cells`` ([{variant, context, depth, trials, accuracy, logprob, token_acc}]); policies
 add ``needle_accuracy_delta``, ``needle_logprob_delta`` and ``needle_lost`` (share of trials the baseline answers
-and the policy does not). Plots: ``plots/needle_<policy>.png`` and ``plots/needle_<policy>_diff.png``.
+and the policy does not). The task draws nothing: with ``plots: true`` (the default) the report draws
+``plots/needle_<policy>.png`` and ``plots/needle_<policy>_diff.png`` from these metrics
+(:mod:`kveval.report.task_figures`).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from kveval.errors import KvevalError
+from kveval.results.layout import BASELINE
 from kveval.schema import Strict
 from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
@@ -40,7 +41,6 @@ from kveval.tasks.needle.prompts import (
     trial_rng,
 )
 
-BASELINE = "baseline"
 NAME = "needle"
 
 
@@ -54,7 +54,7 @@ class Params(Strict):
     max_new_tokens: int = Field(8, gt=0)
     generate: bool = True
     chat_template: bool = True
-    plots: bool = True
+    plots: bool = True  # the report draws the heatmaps (kveval.report.task_figures), not the task
 
     @model_validator(mode="after")
     def _unique(self):
@@ -205,7 +205,8 @@ def evaluate(model, tokenizer, spec, prompt, params: Params, policy=None) -> dic
 # The run
 # ---------------------------------------------------------------------------------------------------------------
 def run(ctx, params: Params) -> dict:
-    """Evaluate every (cell, trial, policy) not yet recorded, aggregate all needle records, draw the heatmaps."""
+    """Evaluate every (cell, trial, policy) not yet recorded and aggregate all needle records (the report draws
+    the heatmaps from the result)."""
     names = [BASELINE, *ctx.policies]
     trials = [(c, d, t) for c in params.context_lengths for d in params.depths for t in range(params.trials)]
     done = ctx.run.done_keys()
@@ -232,10 +233,7 @@ def run(ctx, params: Params) -> dict:
                 rec.update(evaluate(model, tok, spec, prompt, params, policy))
                 ctx.run.append(rec)
                 advance(context)
-    metrics = aggregate(ctx.run.records(), list(ctx.policies))
-    if params.plots:
-        plot_needle(metrics, ctx.run.path / "plots")
-    return metrics
+    return aggregate(ctx.run.records(), list(ctx.policies))
 
 
 def _mean(values: list) -> float | None:
@@ -277,7 +275,7 @@ def aggregate(records: list[dict], policies: list[str]) -> dict:
     base_recs = by_policy.get(BASELINE, [])
     base = _summarise(base_recs)
     base_hit = {_trial_id(r): r.get("exact_match") for r in base_recs}
-    out = {"baseline": base, "policies": {}}
+    out = {BASELINE: base, "policies": {}}
     for name in policies:
         recs = by_policy.get(name, [])
         s = _summarise(recs)
@@ -289,88 +287,3 @@ def aggregate(records: list[dict], policies: list[str]) -> dict:
         out["policies"][name] = s
     return out
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Heatmaps
-# ---------------------------------------------------------------------------------------------------------------
-def _grid(cells: list[dict], variant: str, field: str, contexts: list[int], depths: list[float]):
-    import numpy as np
-
-    grid = np.full((len(contexts), len(depths)), np.nan)
-    for c in cells:
-        if c["variant"] == variant and c[field] is not None:
-            grid[contexts.index(c["context"]), depths.index(c["depth"])] = c[field]
-    return grid
-
-
-def _heatmap(ax, grid, contexts, depths, title, cmap, vmin, vmax, fmt):
-    import numpy as np
-
-    im = ax.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
-    ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-    ax.set_yticks(range(len(contexts)), [str(c) for c in contexts])
-    ax.set_xlabel("needle depth")
-    ax.set_ylabel("context (tokens)")
-    ax.set_title(title, fontsize=10)
-    for (i, j), v in np.ndenumerate(grid):
-        if not np.isnan(v):
-            ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=8)
-    ax.figure.colorbar(im, ax=ax)
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-
-
-def plot_needle(metrics: dict, out_dir: str | Path) -> list[Path]:
-    """Heatmaps (context × depth) from metrics.json's ``needle_cells``: per policy and the baseline
-    ``needle_<name>.png`` (exact match | answer log-prob), per policy ``needle_<name>_diff.png`` (policy minus
-    baseline). With several variants in one run, file names carry the variant: ``needle_<variant>_<name>.png``.
-    Uses matplotlib's Agg canvas without pyplot (no global backend change). Returns the files written."""
-    import numpy as np
-    from matplotlib.figure import Figure
-
-    entries = {BASELINE: metrics.get("baseline", {}), **metrics.get("policies", {})}
-    entries = {n: e for n, e in entries.items() if e.get("needle_cells")}
-    if not entries:
-        return []
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    all_cells = [c for e in entries.values() for c in e["needle_cells"]]
-    variants = sorted({c["variant"] for c in all_cells})
-    base_cells = entries.get(BASELINE, {}).get("needle_cells", [])
-    written = []
-    for variant in variants:
-        cells_v = [c for c in all_cells if c["variant"] == variant]
-        contexts = sorted({c["context"] for c in cells_v})
-        depths = sorted({c["depth"] for c in cells_v})
-        lps = [c["logprob"] for c in cells_v if c["logprob"] is not None]
-        lp_lo, lp_hi = (min(lps), max(lps)) if lps else (None, None)
-        stem = "needle" if len(variants) == 1 else f"needle_{variant}"
-        base_acc = _grid(base_cells, variant, "accuracy", contexts, depths)
-        base_lp = _grid(base_cells, variant, "logprob", contexts, depths)
-        for name, entry in entries.items():
-            acc = _grid(entry["needle_cells"], variant, "accuracy", contexts, depths)
-            lp = _grid(entry["needle_cells"], variant, "logprob", contexts, depths)
-            fig = Figure(figsize=(11, 0.6 * len(contexts) + 2.6))
-            ax1, ax2 = fig.subplots(1, 2)
-            _heatmap(ax1, acc, contexts, depths, f"{name}: exact match ({variant})", "RdYlGn", 0, 1, ".2f")
-            _heatmap(ax2, lp, contexts, depths, f"{name}: answer log-prob / token", "viridis", lp_lo, lp_hi, ".2f")
-            fig.tight_layout()
-            path = out_dir / f"{stem}_{_safe(name)}.png"
-            fig.savefig(path, dpi=110)
-            written.append(path)
-            if name == BASELINE or not base_cells:
-                continue
-            d_acc, d_lp = acc - base_acc, lp - base_lp
-            lim = float(np.nanmax(np.abs(d_lp))) if np.isfinite(d_lp).any() else 1.0
-            fig = Figure(figsize=(11, 0.6 * len(contexts) + 2.6))
-            ax1, ax2 = fig.subplots(1, 2)
-            _heatmap(ax1, d_acc, contexts, depths, f"{name} - baseline: exact match", "RdBu", -1, 1, "+.2f")
-            _heatmap(ax2, d_lp, contexts, depths, f"{name} - baseline: log-prob / token", "RdBu",
-                     -max(lim, 1e-6), max(lim, 1e-6), "+.2f")
-            fig.tight_layout()
-            path = out_dir / f"{stem}_{_safe(name)}_diff.png"
-            fig.savefig(path, dpi=110)
-            written.append(path)
-    return written

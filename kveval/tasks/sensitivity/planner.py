@@ -195,11 +195,6 @@ def scan_table(metrics: dict) -> dict[tuple[int, str, str], dict]:
     return {(c["layer"], c["tensor"], c["spec"]): c for c in cells}
 
 
-def _bits(spec: str) -> int:
-    s = preset(spec)
-    return 16 if s.is_none else (8 if s.format.startswith("fp8") else s.bits)
-
-
 def candidate_costs(arch: Arch, specs: list[str], context: int) -> dict[tuple[int, str, str], int]:
     """(layer, tensor, spec) -> bytes billed for that tensor of that layer at ``context`` tokens (FP16 for none)."""
     out = {}
@@ -258,11 +253,11 @@ def _cell_value(table, layer: int, tensor: str, spec: str, scanned: list[str]) -
         return c["kld"], c["nll_delta"]
     if spec in scanned:
         raise KvevalError(f"the scan has no cell for layer {layer} {tensor} {spec}")
-    ref = max(scanned, key=_bits)
+    ref = max(scanned, key=lambda s: preset(s).code_bits)
     c = table.get((layer, tensor, ref))
     if c is None:
         raise KvevalError(f"the scan has no cell for layer {layer} {tensor}; scan all layers and both tensors")
-    factor = 4.0 ** -(_bits(spec) - _bits(ref))
+    factor = 4.0 ** -(preset(spec).code_bits - preset(ref).code_bits)
     return c["kld"] * factor, c["nll_delta"] * factor
 
 

@@ -1,4 +1,4 @@
-"""The per-layer sensitivity scan's engine: prefix reuse, the naive reference, plots, and ``kveval scan``.
+"""The per-layer sensitivity scan's engine: prefix reuse and the naive reference (figures: kveval.report).
 
 A scan cell quantizes one tensor (K or V) of one layer ``i`` with one spec, everything else at full precision.
 Layers ``0..i-1`` then compute exactly what the baseline computed, so the cell needs only layers ``i..L-1``,
@@ -17,7 +17,6 @@ Cost of a cell: ``(L - i) / L`` of the layers plus the head, about half of a ful
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -140,70 +139,3 @@ def verify_replay(model, prefix: Prefix, rtol: float = 1e-4) -> float:
             "run the scan with naive: true (--naive)"
         )
     return gap
-
-
-# ------------------------------------------------------------------------------------------------- plots
-
-
-def _cell_table(cells: list[dict], specs: list[str], num_layers: int):
-    import numpy as np
-
-    grid = np.full((num_layers, len(specs) * 2), np.nan)
-    for c in cells:
-        col = specs.index(c["spec"]) * 2 + TENSORS.index(c["tensor"])
-        grid[c["layer"], col] = c["kld"]
-    return grid
-
-
-def plot_heatmap(cells: list[dict], specs: list[str], num_layers: int, path: Path) -> Path:
-    """Layers (rows) x spec and K/V (columns), colour = log10 mean KLD against the baseline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    grid = _cell_table(cells, specs, num_layers)
-    fig, ax = plt.subplots(figsize=(2.0 + 1.3 * grid.shape[1], 1.0 + 0.22 * num_layers))
-    shown = np.log10(np.clip(grid, 1e-8, None))
-    im = ax.imshow(shown, aspect="auto", cmap="magma_r", interpolation="nearest")
-    ax.set_xticks(range(grid.shape[1]), [f"{s}\n{t[0].upper()}" for s in specs for t in TENSORS], fontsize=8)
-    ax.set_yticks(range(num_layers), [str(i) for i in range(num_layers)], fontsize=7)
-    ax.set_ylabel("layer")
-    ax.set_title("Per-layer sensitivity: KLD vs FP (one tensor quantized)", fontsize=9)
-    fig.colorbar(im, ax=ax, label="log10 mean KLD")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_ranked(cells: list[dict], specs: list[str], path: Path, top: int = 40) -> Path:
-    """Per spec, the ``top`` most sensitive (layer, tensor) cells as bars, keys and values in two colours."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(specs), 1, figsize=(11, 2.8 * len(specs)), squeeze=False)
-    colours = {"key": "tab:red", "value": "tab:blue"}
-    for ax, spec in zip(axes[:, 0], specs):
-        ranked = sorted((c for c in cells if c["spec"] == spec), key=lambda c: -c["kld"])[:top]
-        ax.bar(range(len(ranked)), [max(c["kld"], 1e-12) for c in ranked],
-               color=[colours[c["tensor"]] for c in ranked])
-        ax.set_xticks(range(len(ranked)), [f"{c['layer']}{c['tensor'][0].upper()}" for c in ranked],
-                      rotation=90, fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("mean KLD")
-        ax.set_title(f"{spec}: most sensitive layers (red K, blue V)", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-# ------------------------------------------------------------------------------------------------- command
-
-

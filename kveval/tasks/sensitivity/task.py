@@ -9,6 +9,8 @@ runs the full model per cell and gives the same numbers.
 metrics.json: ``sensitivity: {cells: [{layer, tensor, spec, kld, delta_ppl_pct, nll_delta, top1_agree}],
 ranking: {spec: [cells, most sensitive first]}, layer_ranking: {spec: [layers by K+V KLD]},
 k_vs_v: {spec: {key_kld_sum, value_kld_sum, ratio_key_over_value, layers_key_worse, more_sensitive}}, ...}``.
+The task draws nothing: with ``plots: true`` (the default) the report draws ``plots/sensitivity_heatmap.png`` and
+``plots/sensitivity_ranked.png`` from these metrics (:mod:`kveval.report.task_figures`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class Params(Strict):
     seq_len: int = Field(256, gt=1)
     max_tokens: int | None = Field(512, gt=0)
     naive: bool = False
-    plots: bool = True
+    plots: bool = True  # the report draws the heatmap and the ranking (kveval.report.task_figures), not the task
 
     @field_validator("specs")
     @classmethod
@@ -134,12 +136,6 @@ def run(ctx, params: Params) -> dict:
                 advance(1)
     out = aggregate(ctx.run.records(), params)
     out["sensitivity"]["token_end"] = token_end  # the scan read corpus tokens [0, token_end)
-    if params.plots and out["sensitivity"]["cells"]:
-        from kveval.tasks.sensitivity.scan import plot_heatmap, plot_ranked
-
-        s = out["sensitivity"]
-        plot_heatmap(s["cells"], s["specs"], ctx.info["num_layers"], ctx.run.path / "plots" / "sensitivity_heatmap.png")
-        plot_ranked(s["cells"], s["specs"], ctx.run.path / "plots" / "sensitivity_ranked.png")
     return out
 
 

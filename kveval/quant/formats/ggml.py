@@ -1,4 +1,6 @@
-"""ggml's q8_0, q4_0, q4_1, q5_0, q5_1 block quantizers in torch, bit for bit with `gguf.quants`.
+"""ggml's q8_0, q4_0, q4_1, q5_0, q5_1 block quantizers in torch, bit for bit with `gguf.quants`: formats
+registered under these names and selected by `QuantSpec.ggml` (spelled format='int', ggml='q4_0', with the other
+fields fixed by the type: use `preset("q4_0")`).
 
 Blocks are 32 consecutive elements of head_dim: xb [..., n_blocks, 32] (float32, as gguf converts its input).
 Per block (all arithmetic in float32, each operation rounded separately, as numpy does):
@@ -26,9 +28,24 @@ elements 0..15, high nibbles 16..31) but the byte count, 34/18/20/22/24 per bloc
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .spec import GGML_TYPES
+from .base import SHORT_DTYPE, QParams, QuantFormat, check_finite
+
+if TYPE_CHECKING:
+    from ..spec import QuantSpec
+
+# name -> (bits, mapping); all are group 32 along head_dim with float16 scale d (and float16 min m for *_1).
+GGML_TYPES: dict[str, tuple[int, str]] = {
+    "q8_0": (8, "symmetric"),
+    "q4_0": (4, "symmetric"),
+    "q4_1": (4, "asymmetric"),
+    "q5_0": (5, "symmetric"),
+    "q5_1": (5, "asymmetric"),
+}
+GGML_BLOCK = 32
 
 _F16_MAX = 65504.0
 
@@ -44,11 +61,6 @@ _PARAMS: dict[str, tuple[float, float, int]] = {
 
 def _to_f16(t: torch.Tensor) -> torch.Tensor:
     return t.clamp(-_F16_MAX, _F16_MAX).to(torch.float16)
-
-
-def _check_finite(stat: torch.Tensor) -> None:
-    if not bool(torch.isfinite(stat).all()):
-        raise ValueError("non-finite values in input to quantize")
 
 
 # 0.5 - 2^-25, the float32 just below 0.5: for 0 <= a < 2^22, trunc(fl(a + _HALF_DOWN)) == floor(a + 0.5) exactly
@@ -92,8 +104,8 @@ def ggml_quantize_blocks(xb: torch.Tensor, kind: str) -> tuple[torch.Tensor, tor
         d = _signed_absmax(xb, mn, mx) / div
     else:
         d = (mx - mn) / div
-    _check_finite(d)
-    _check_finite(mn)
+    check_finite(d)
+    check_finite(mn)
     inv = torch.where(d == 0, 0.0, torch.ones_like(d) / d)
     if kind == "q8_0":
         return _roundf_(xb * inv), _to_f16(d), None
@@ -108,3 +120,63 @@ def ggml_dequantize_blocks(codes_f: torch.Tensor, d: torch.Tensor, m: torch.Tens
     """x^ [..., 32] = d*code (+ m), in place on codes_f: float32, two separately rounded operations as in gguf."""
     out = codes_f.mul_(d.to(torch.float32))
     return out if m is None else out.add_(m.to(torch.float32))
+
+
+class GgmlFormat(QuantFormat):
+    """One ggml block type (`kind`: q8_0, q4_0, q4_1, q5_0, q5_1): blocks of 32 along head_dim, float16 scale d
+    (and min m for *_1); the codes come from the unrounded block scale, so no fixed parameters can be given."""
+
+    spec_field = "ggml"
+    supports_static = False
+
+    def __init__(self, kind: str):
+        self.name = kind
+        self.bits, self.mapping = GGML_TYPES[kind]
+
+    def validate(self, spec: QuantSpec) -> None:
+        want = dict(format="int", bits=self.bits, mapping=self.mapping, granularity="group", group_size=GGML_BLOCK,
+                    scale_dtype="float16", zero_point="float", clip_ratio=1.0, static_scale=None, outliers=0.0)
+        bad = {k: getattr(spec, k) for k, v in want.items() if getattr(spec, k) != v}
+        if bad:
+            need = ", ".join(f"{k}={want[k]!r}" for k in bad)
+            got = ", ".join(f"{k}={v!r}" for k, v in bad.items())
+            raise ValueError(f"QuantSpec.ggml={self.name!r} requires {need} (got {got}); "
+                             f"use preset({self.name!r})")
+
+    def code_bits(self, spec: QuantSpec) -> int:
+        return self.bits
+
+    def describe(self, spec: QuantSpec) -> str:
+        return f"{self.name} (ggml, g32, {SHORT_DTYPE[spec.scale_dtype]} scales)"
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32  # as gguf, whatever the input
+
+    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+        return torch.int8 if self.mapping == "symmetric" else torch.uint8
+
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+        raise ValueError(f"{self.name} takes no parameters from a range (its codes use the unrounded block scale)")
+
+    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> QParams:
+        """The stored float16 d (and min) of blocks xv [..., 32]."""
+        return self.fit(xv, dims, spec)[1]
+
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+        q, d, m = ggml_quantize_blocks(xv, self.name)
+        return q.to(self.code_dtype(spec)), QParams(d, m)
+
+    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> torch.Tensor:
+        q, d, m = ggml_quantize_blocks(xv, self.name)
+        return ggml_dequantize_blocks(q, d, m)
+
+    def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+               spec: QuantSpec) -> torch.Tensor:
+        raise ValueError("qparams cannot be given for ggml types (their codes use the unrounded block scale)")
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+               spec: QuantSpec) -> torch.Tensor:
+        return ggml_dequantize_blocks(codes.to(scale.dtype), scale, zero_point)
+
+
+FORMATS = tuple(GgmlFormat(kind) for kind in GGML_TYPES)

@@ -1,0 +1,20 @@
+"""K/V transforms as plug-ins: maps applied to K and/or V before quantization and undone on read, with hooks on
+the query and the attention output (``base`` has the interface and the order rules).
+
+- ``base``: ``KVTransform`` (the hooks), ``TransformContext``, ``TransformChain`` (one layer's K or V side of a
+  sequence), ``check_sequence``;
+- one module per transform: ``pre_rope`` (KVQuant's pre-RoPE keys);
+- ``registry``: the registry (name -> class) and the config form (``"name"`` or ``{name: ..., param: ...}``).
+
+Pure maths: nothing here imports transformers; the hooks into a model live in ``kveval.patch``.
+
+A new transform: a module here with a frozen-dataclass ``KVTransform`` subclass decorated with ``@register``, and
+an import of it below, which registers it (tests and plug-ins may also call ``register`` from their own module).
+"""
+
+from kveval.transforms.base import KVTransform, TransformChain, TransformContext, check_sequence
+from kveval.transforms.pre_rope import PreRope
+from kveval.transforms.registry import make_transform, parse_transforms, register, transform_names
+
+__all__ = ["KVTransform", "PreRope", "TransformChain", "TransformContext", "check_sequence", "make_transform",
+           "parse_transforms", "register", "transform_names"]

@@ -1,0 +1,273 @@
+"""K/V transforms as plug-ins (kveval.transforms): one code path for emulation and the real cache.
+
+A toy transform defined and registered here, a random orthogonal ``H`` on head_dim, rotates Q and K together
+(q·k unchanged) and V together with the attention output (o = o' Hᵀ). ``keep=True`` keeps the cache rotated and
+rotates the query and the output (llama.cpp); ``keep=False`` un-rotates K and V on read (no query/output hooks).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import ClassVar
+
+import pytest
+import torch
+from twopaths import decoded_logits, emulated_logits, ids_for
+
+from kveval.config import validate
+from kveval.errors import KvevalError
+from kveval.patch import QuantizedKVCache, cache_kwargs
+from kveval.patch.quantizers import layer_quantizers
+from kveval.policy import POLICY_PRESETS, KVPolicy
+from kveval.quant import QuantSpec
+from kveval.transforms import KVTransform, TransformChain, TransformContext, register
+
+
+@lru_cache
+def _orthogonal(head_dim: int, seed: int) -> torch.Tensor:
+    """A random orthogonal ``[head_dim, head_dim]`` float64 matrix."""
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+@register
+@dataclass(frozen=True)
+class ToyRotation(KVTransform):
+    """x -> xH on head_dim for K and V (``[batch, heads, T, head_dim]``); see the module docstring."""
+
+    name: ClassVar[str] = "toy_rotation"
+    seed: int = 0
+    keep: bool = True
+
+    def _h(self, x: torch.Tensor) -> torch.Tensor:
+        return _orthogonal(x.shape[-1], self.seed).to(x)
+
+    def key_in(self, k: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+        return k @ self._h(k)
+
+    def key_out(self, k: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+        return k if self.keep else k @ self._h(k).T
+
+    def value_in(self, v: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+        return v @ self._h(v)
+
+    def value_out(self, v: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+        return v if self.keep else v @ self._h(v).T
+
+    def query(self, q: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+        return q @ self._h(q)
+
+    def output(self, o: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+        return o @ self._h(o).T
+
+    @property
+    def has_query_hook(self) -> bool:
+        return self.keep
+
+    @property
+    def has_output_hook(self) -> bool:
+        return self.keep
+
+    @property
+    def keeps_keys_transformed(self) -> bool:
+        return self.keep
+
+    @property
+    def keeps_values_transformed(self) -> bool:
+        return self.keep
+
+
+def emulated(model, ids, policy, prefill_len=0):
+    return emulated_logits(model, ids, policy, prefill_len)
+
+
+def decoded(model, ids, policy, prefill_len=1):
+    return decoded_logits(model, ids, policy, prefill_len)[0]
+
+
+def rotated(policy: KVPolicy, keep: bool = True, seed: int = 1) -> KVPolicy:
+    return replace(policy, transforms=(ToyRotation(seed, keep),))
+
+
+INT4 = QuantSpec(bits=4)
+INT4_G8 = QuantSpec(bits=4, mapping="asymmetric", granularity="group", group_size=8)
+POLICIES = {
+    "token_int4": KVPolicy(key=INT4, value=INT4),
+    "group_int4_sinks_residual": KVPolicy(key=INT4_G8, value=QuantSpec(bits=2, mapping="asymmetric"), residual=5,
+                                          sink_tokens=2),
+    "kivi_block": KVPolicy(key=QuantSpec(bits=2, mapping="asymmetric", granularity="channel"),
+                           value=QuantSpec(bits=2, mapping="asymmetric"), residual=8, residual_mode="block"),
+    "keys_only": KVPolicy(key=INT4_G8),
+    "mixed_layers": KVPolicy.from_config({"key": "int4_g32", "value": "int8", "layers": {"0": {"spec": "none"}}}),
+}
+MODELS = ["tiny_llama64", "tiny_gemma3_64"]
+
+
+# --- format none: the rotation is exact -----------------------------------------------------------------------------
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("model_fixture", MODELS)
+def test_rotation_with_format_none_leaves_the_logits_unchanged(keep, model_fixture, request):
+    model, _ = request.getfixturevalue(model_fixture)
+    ids = ids_for(model, 30)
+    with torch.no_grad():
+        baseline = model(ids).logits
+    policy = rotated(KVPolicy(), keep)
+    torch.testing.assert_close(emulated(model, ids, policy), baseline, rtol=0, atol=1e-10)
+    torch.testing.assert_close(decoded(model, ids, policy), baseline, rtol=0, atol=1e-10)
+    torch.testing.assert_close(emulated(model, ids, replace(policy, residual=4, sink_tokens=2), prefill_len=9),
+                               baseline, rtol=0, atol=1e-10)
+
+
+def test_the_query_hook_really_runs_with_format_none(tiny_llama64, monkeypatch):
+    """Keys rotated but the query not (the query hook switched off): the logits change, in both paths."""
+    model, _ = tiny_llama64
+    ids = ids_for(model, 20)
+    with torch.no_grad():
+        baseline = model(ids).logits
+    monkeypatch.setattr(ToyRotation, "query", lambda self, q, ctx: q)
+    policy = rotated(KVPolicy())
+    assert (emulated(model, ids, policy) - baseline).abs().max() > 1e-3
+    assert (decoded(model, ids, policy) - baseline).abs().max() > 1e-3
+
+
+# --- int4: emulation == the real cache, and the rotation acts -------------------------------------------------------
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("model_fixture", MODELS)
+def test_rotated_emulation_equals_real_cache_decoding_float64(name, keep, model_fixture, request):
+    model, _ = request.getfixturevalue(model_fixture)
+    ids = ids_for(model, 36)
+    policy = rotated(POLICIES[name], keep)
+    emu = emulated(model, ids, policy)
+    torch.testing.assert_close(emu, decoded(model, ids, policy), rtol=0, atol=1e-9)
+    plain = emulated(model, ids, POLICIES[name])
+    assert (emu - plain).abs().max() > 1e-6, "the rotation must change the quantized result"
+
+
+@pytest.mark.parametrize("prefill", ["fp", "quantized"])
+@pytest.mark.parametrize("model_fixture", MODELS)
+def test_rotated_prefill_modes_match(prefill, model_fixture, request):
+    model, _ = request.getfixturevalue(model_fixture)
+    ids = ids_for(model, 34, seed=1)
+    policy = rotated(replace(POLICIES["group_int4_sinks_residual"], prefill=prefill))
+    torch.testing.assert_close(emulated(model, ids, policy, prefill_len=11), decoded(model, ids, policy, 11),
+                               rtol=0, atol=1e-9)
+
+
+def test_rotating_the_query_or_unrotating_the_cache_is_the_same_maths(tiny_llama64):
+    """(qH)·k̂ = q·(k̂Hᵀ) and o'Hᵀ = softmax·(v̂Hᵀ): both choices give the same logits up to float rounding."""
+    model, _ = tiny_llama64
+    ids = ids_for(model, 32)
+    policy = POLICIES["group_int4_sinks_residual"]
+    torch.testing.assert_close(emulated(model, ids, rotated(policy, True)), emulated(model, ids, rotated(policy, False)),
+                               rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("transforms", [("pre_rope", {"name": "toy_rotation", "keep": False}),
+                                        ({"name": "toy_rotation", "keep": True}, "pre_rope")])
+def test_rotation_composes_with_pre_rope(transforms, tiny_llama64):
+    model, _ = tiny_llama64
+    ids = ids_for(model, 30)
+    policy = KVPolicy.from_config({"key": {"bits": 4, "mapping": "asymmetric", "granularity": "channel"},
+                                   "value": "int4_g32", "residual": 8, "residual_mode": "block",
+                                   "transforms": list(transforms)})
+    assert len(policy.transform_sequence()) == 2
+    torch.testing.assert_close(emulated(model, ids, policy), decoded(model, ids, policy), rtol=0, atol=1e-9)
+
+
+# --- plumbing: nothing extra without hooks, the model restored ------------------------------------------------------
+def test_hooks_wrap_the_model_only_while_the_cache_is_passed(tiny_llama64):
+    model, _ = tiny_llama64
+    original = model.config._attn_implementation
+    hooks = len(model._forward_pre_hooks), len(model._forward_hooks)
+    plain = QuantizedKVCache(model, rotated(POLICIES["token_int4"], keep=False))
+    assert all(layer.implementation is None for layer in plain.layers), "no query/output hooks: nothing wrapped"
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks
+    cache = QuantizedKVCache(model, rotated(POLICIES["token_int4"], keep=True))
+    ids = ids_for(model, 12)
+    with torch.no_grad():
+        model(ids, use_cache=True, **cache_kwargs(model, cache))
+        assert model.config._attn_implementation == original, "restored after the call"
+        with pytest.raises(RuntimeError, match="pass the cache to the model"):
+            model.model(ids, use_cache=True, **cache_kwargs(model.model, cache))  # the hooks sit on the top model
+    del cache
+    gc.collect()
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks, "hooks removed with the cache"
+
+
+def test_generate_through_a_rotated_cache(tiny_llama64):
+    model, _ = tiny_llama64
+    ids = ids_for(model, 10)
+    kw = dict(max_new_tokens=8, do_sample=False)
+    plain = model.generate(ids, **kw)
+    same = model.generate(ids, past_key_values=QuantizedKVCache(model, rotated(KVPolicy())), **kw)
+    assert torch.equal(plain, same)
+    out = model.generate(ids, past_key_values=QuantizedKVCache(model, rotated(POLICIES["token_int4"])), **kw)
+    assert out.shape == plain.shape
+
+
+# --- the policy and its config form ---------------------------------------------------------------------------------
+def test_existing_policies_write_no_transform_keys():
+    for name in POLICY_PRESETS:
+        cfg = KVPolicy.preset(name).to_config()
+        assert "transforms" not in cfg
+        assert ("pre_rope" in cfg) == KVPolicy.preset(name).pre_rope
+    assert KVPolicy.preset("kvquant4_1pct").to_config()["pre_rope"] is True
+
+
+def test_transforms_round_trip_and_a_leading_pre_rope_is_the_flag():
+    p = KVPolicy.from_config({"spec": "int4_g64", "transforms": [{"name": "toy_rotation", "seed": 3}]})
+    assert p.to_config()["transforms"] == [{"name": "toy_rotation", "seed": 3, "keep": True}]
+    assert KVPolicy.from_config(p.to_config()) == replace(p, name="custom")
+    flag = KVPolicy.from_config({"spec": "int4_g64", "pre_rope": True})
+    listed = KVPolicy.from_config({"spec": "int4_g64", "transforms": ["pre_rope"]})
+    assert listed == flag and listed.to_config() == flag.to_config()
+    assert "toy_rotation" in p.describe()
+
+
+def one_line_error(cfg) -> str:
+    with pytest.raises(KvevalError) as info:
+        KVPolicy.from_config(cfg, name="p")
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_bad_transforms_are_one_line_errors():
+    msg = one_line_error({"spec": "int4_g64", "transforms": ["toy_rotaton"]})
+    assert "p'.transforms[0]" in msg and "unknown transform 'toy_rotaton'" in msg and "did you mean 'toy_rotation'" in msg
+    assert "did you mean 'seed'" in one_line_error({"spec": "int8", "transforms": [{"name": "toy_rotation", "sed": 1}]})
+    assert "needs 'name'" in one_line_error({"spec": "int8", "transforms": [{"seed": 1}]})
+    assert "appears twice" in one_line_error({"spec": "int8", "pre_rope": True, "transforms": ["pre_rope"]})
+    msg = one_line_error({"spec": "int8", "pre_rope": True, "transforms": ["toy_rotation"]})
+    assert "must come before 'pre_rope'" in msg
+    assert "did you mean 'transforms'" in one_line_error({"spec": "int8", "transform": ["pre_rope"]})
+
+
+def test_bad_transform_name_in_a_run_config_is_one_line():
+    raw = {"name": "t", "kv": {"policies": {"rot": {"spec": "int4_g64", "transforms": ["toy_rotaton"]}}},
+           "tasks": [{"perplexity": {"seq_len": 64, "max_tokens": 256}}]}
+    with pytest.raises(KvevalError) as info:
+        validate(raw, "c.yaml")
+    assert "\n" not in str(info.value) and "did you mean 'toy_rotation'" in str(info.value)
+
+
+def test_calibrated_scales_are_refused_for_a_rotated_domain():
+    policy = KVPolicy(key=QuantSpec(bits=4, granularity="channel"), scales="s.safetensors",
+                      transforms=(ToyRotation(),))
+    with pytest.raises(KvevalError, match="not available for keys stored after the transforms toy_rotation"):
+        layer_quantizers(policy, 0, 4, scales=object())
+
+
+def test_chains_split_a_sequence_by_tensor():
+    seq = KVPolicy(pre_rope=True, transforms=(ToyRotation(keep=False),)).transform_sequence()
+    keys, values = TransformChain.of(seq, "key", 0), TransformChain.of(seq, "value", 0)
+    assert [t.name for t in keys.transforms] == ["pre_rope", "toy_rotation"]
+    assert [t.name for t in values.transforms] == ["toy_rotation"]
+    assert keys.scales_kind() is None and TransformChain.of(seq[:1], "key", 0).scales_kind() == "key_pre_rope"
+    assert not keys.has_query_hook and not values.has_output_hook and not keys.domain
+    x = torch.randn(1, 2, 3, 8)
+    assert keys.to_attention(x) is x, "full-precision tokens skip transforms that undo themselves on read"
