@@ -67,7 +67,7 @@ def test_prefill_modes_match(name, prefill, model_fixture, request):
 
 def test_float32_gap_is_small_next_to_the_quantization_effect(tiny_llama):
     """In float32 the projection of one token and of a sequence differ in the last bits; a value on a rounding
-    boundary may land on the neighbouring code in one path only (DESIGN.md section 6). Judge the gap relative to
+    boundary may land on the neighbouring code in one path only (docs/design.md section 6). Judge the gap relative to
     the quantization's own effect."""
     model, _ = tiny_llama
     policy = POLICIES["group_asym_int4"]

@@ -3,7 +3,7 @@
     write_synthetic_run(tmp_path / "run", needle=True, sensitivity=True, noise_floor=True)
 
 The numbers are invented but shaped like real ones (damage falls as bits rise, keys hurt more than values, error
-grows along the window); every file follows DESIGN.md section 4, so the folder loads like a real run.
+grows along the window); every file follows docs/design.md section 4, so the folder loads like a real run.
 """
 
 from __future__ import annotations
