@@ -9,10 +9,11 @@ Usage::
     cache = QuantizedKVCache(model, KVPolicy.preset("int4_g64"))
     out = model.generate(ids, past_key_values=cache, max_new_tokens=20)
 
-Semantics (the same as ``emulate``): a token is quantized when it leaves the residual window (``sliding``) or
-when its block of ``residual`` tokens is complete (``block``); sinks never are. A call that brings more than one
-token (the prefill) answers, with ``prefill: fp``, the new tokens in full precision (what serving engines do);
-with ``prefill: quantized`` and for single-token decode steps it answers the stored versions.
+Semantics (the same as ``emulate``; ``kveval.policy.masks``): a token is quantized when it leaves the residual
+window (``sliding``: stored, then read) or after the call that completes its block of ``residual`` tokens
+(``block``: read, then flushed); sinks never are. A call that brings more than one token (the prefill) answers,
+with ``prefill: fp``, the new tokens in full precision (what serving engines do); with ``prefill: quantized`` and
+for single-token decode steps it answers what it holds under that schedule.
 
 Limitation: with batch > 1 and left padding, sink tokens count from the first stored position of the row
 (padding included), and per-channel blocks take statistics over the padded positions too.
@@ -176,16 +177,11 @@ class QuantizedKVLayer(DynamicLayer):
             self.res_rope = self._append_rope(self.res_rope, (cos[:, take:], sin[:, take:]))
         self.n_stored += n_new
 
-        end = min(self.policy.quantized_block_end(self.n_stored), self.n_stored)
-        if end > self.q_end:
-            move = end - self.q_end
-            block = self.policy.residual if self.policy.residual_mode == "block" else None
-            rope = None if self.res_rope is None else (self.res_rope[0][:, :move], self.res_rope[1][:, :move])
-            self._store(self.res_k[:, :, :move], self.res_v[:, :, :move], block, rope)
-            self.res_k, self.res_v = self.res_k[:, :, move:], self.res_v[:, :, move:]
-            if self.res_rope is not None:
-                self.res_rope = (self.res_rope[0][:, move:], self.res_rope[1][:, move:])
-            self.q_end = end
+        # the schedule of kveval.policy.masks.read_quantized_end: sliding mode stores then reads; block mode reads,
+        # then quantizes the blocks this call completed (its queries saw them in full precision)
+        read_first = self.policy.residual_mode == "block" and not prefill_fp
+        out = self._read() if read_first else None
+        self._flush()
 
         if prefill_fp:
             key_states = self.key_q.full_precision(key_states, new_rope)
@@ -193,7 +189,21 @@ class QuantizedKVLayer(DynamicLayer):
             if before is None:
                 return key_states, value_states
             return torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
-        return self._read()
+        return out if out is not None else self._read()
+
+    def _flush(self) -> None:
+        """Move the tokens that have left the residual (``masks.quantized_end``) into quantized storage."""
+        end = min(self.policy.quantized_block_end(self.n_stored), self.n_stored)
+        if end <= self.q_end:
+            return
+        move = end - self.q_end
+        block = self.policy.residual if self.policy.residual_mode == "block" else None
+        rope = None if self.res_rope is None else (self.res_rope[0][:, :move], self.res_rope[1][:, :move])
+        self._store(self.res_k[:, :, :move], self.res_v[:, :, :move], block, rope)
+        self.res_k, self.res_v = self.res_k[:, :, move:], self.res_v[:, :, move:]
+        if self.res_rope is not None:
+            self.res_rope = (self.res_rope[0][:, move:], self.res_rope[1][:, move:])
+        self.q_end = end
 
     @staticmethod
     def _append_rope(old: tuple[torch.Tensor, torch.Tensor] | None,

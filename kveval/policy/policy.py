@@ -11,12 +11,16 @@ Semantics of the windows, for a query decoded at position ``t`` (the cache then 
 * ``sink_tokens = S``: tokens ``j < S`` are always full precision (StreamingLLM attention sinks).
 * ``residual_mode = "sliding"``, ``residual = R``: the ``R`` most recent tokens (``j > t - R``) are full precision;
   a token is quantized when it leaves the window. ``R = 0``: every token is quantized as soon as it is stored.
-* ``residual_mode = "block"`` (KIVI): tokens after the sinks wait in full precision until ``R`` of them have
-  accumulated; then that block of ``R`` is quantized at once. Per-channel statistics are taken over such a block,
-  so they never use tokens after the query.
+* ``residual_mode = "block"`` (KIVI, transformers' QuantizedCache): tokens after the sinks wait in full precision
+  until ``R`` of them have accumulated; the query that completes a block still reads it in full precision, and the
+  block is quantized after that step (read, then flush). Per-channel statistics are taken over such a block, so
+  they never use tokens after the query.
 * ``prefill = "fp"``: queries of the prompt (the first ``prefill_len`` positions) attend to the prompt in full
   precision, as serving engines do; the prompt is stored quantized for the decode steps that follow.
-  ``prefill = "quantized"``: the prompt queries attend to the cache as it stands at the end of the prefill.
+  ``prefill = "quantized"``: the prompt queries attend to the cache as the prefill call reads it (sliding: after
+  storing the prompt; block: before flushing it, so in full precision).
+
+``kveval.policy.masks`` is the one definition of this schedule; emulation, the real cache and the bill use it.
 
 Calibrated (static) scales: ``scales: PATH`` names a scales file written by ``kveval calibrate`` (``auto``: the run
 calibrates one itself on a slice of the corpus disjoint from the evaluation). Specs of granularity ``tensor``,
