@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kveval.quant", "kveval.transforms", "kveval.calibration.ranges"),
     ("kveval.policy", "kveval.memory.bill", "kveval.memory", "kveval.calibration.scales_file", "kveval.calibration"),
     ("kveval.models", "kveval.data", "kveval.patch", "kveval.calibration.collect", "kveval.memory.table"),
-    ("kveval.tasks", "kveval.results", "kveval.calibration.calibrate"),
+    ("kveval.tasks", "kveval.results", "kveval.calibration.calibrate", "kveval.parity"),
     ("kveval.report", "kveval.config"),
     ("kveval.commands",),
     ("kveval.cli", "kveval.__main__"),

@@ -1,0 +1,71 @@
+"""Parity: a preset named after a system, checked against that system on the same token ids.
+
+For each cache type of a system, the system's own run gives reference logits (``ref``: its quantized cache,
+``ref_fp``: its own full-precision/default cache) and kveval's preset gives ``kv`` (kveval's emulation of the
+same cache) and ``kv_fp`` (kveval's baseline), all ``[T, vocab]`` for the same ids ``[T]``. ``compare`` turns them
+into a ``ParityRow``: each side's ΔPPL % / KLD / top-1 against its own baseline, and ``kld_between`` =
+KL(P_ref ‖ P_kveval), the figure a parity test bounds (at most a fraction of KL(P_ref_fp ‖ P_ref)).
+
+One module per system (``llamacpp``, ``hf_quanto``, ``kivi``, ...) with ``run(...) -> list[ParityRow]``;
+``SYSTEMS`` maps the names ``kveval parity`` accepts to those modules (imported on use).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kveval.stats import compare_logits
+
+SYSTEMS: dict[str, str] = {}
+
+
+@dataclass
+class ParityRow:
+    """One cache type of one system: kveval's preset against the system's own run on the same tokens."""
+
+    system: str
+    cache_type: str  # the system's name for it, e.g. "q4_0/q4_0" (keys/values) or "quanto int4, 128-token prompt"
+    preset: str  # the kveval policy that claims to reproduce it
+    tokens: int  # scored positions
+    ref_delta_ppl_pct: float
+    ref_kld: float
+    ref_top1: float
+    kv_delta_ppl_pct: float
+    kv_kld: float
+    kv_top1: float
+    kld_between: float  # mean KL(P_ref || P_kveval)
+    max_abs_logit_gap: float
+    kld_between_by_position: list[float] = field(default_factory=list, repr=False)
+    notes: str = ""
+
+    @property
+    def ratio(self) -> float:
+        """kld_between / ref_kld: the parity figure (0: identical; tests ask for at most 0.1)."""
+        return self.kld_between / self.ref_kld if self.ref_kld > 0 else math.inf
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def compare(system: str, cache_type: str, preset: str, ids: torch.Tensor, *, ref_fp: torch.Tensor,
+            ref: torch.Tensor, kv_fp: torch.Tensor, kv: torch.Tensor, start: int = 0, notes: str = "") -> ParityRow:
+    """Metrics of one cache type. ids ``[T]``; logits ``[T, vocab]`` (position t predicts ids[t + 1]); positions
+    ``start .. T-2`` are scored (``start``: e.g. the prompt length, to score decoded tokens only)."""
+    targets = ids[start + 1:]
+    sl = slice(start, ids.shape[0] - 1)
+
+    def side(base: torch.Tensor, x: torch.Tensor) -> tuple[float, float, float]:
+        b = compare_logits(base[sl], base[sl], targets)
+        m = compare_logits(base[sl], x[sl], targets)
+        ppl_b, ppl = math.exp(float(b["nll"].mean())), math.exp(float(m["nll"].mean()))
+        return 100.0 * (ppl / ppl_b - 1.0), float(m["kld"].mean()), float(m["agree"].mean())
+
+    r = side(ref_fp, ref)
+    k = side(kv_fp, kv)
+    between = compare_logits(ref[sl], kv[sl], targets)["kld"]
+    gap = float((ref[sl].double() - kv[sl].double()).abs().max())
+    return ParityRow(system, cache_type, preset, int(targets.numel()), *r, *k, float(between.mean()), gap,
+                     between.tolist(), notes)
