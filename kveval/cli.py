@@ -125,6 +125,22 @@ def lm_eval(
 
 @app.command()
 @user_errors
+def parity(
+    system: Annotated[str, typer.Argument(help="The system a preset is named after: llamacpp, hf_quanto, kivi, ...")],
+    model: Annotated[str, typer.Option(help="Model, as in configs.")] = "builtin:smollm2-135m",
+    types: Annotated[str | None, typer.Option(help="Comma-separated cache types of the system (default: its set).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Token ids to evaluate (default: the system's).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (default results/parity/SYSTEM).")] = None,
+):
+    """kveval's preset against the real system on the same tokens, per cache type: ΔPPL, KLD, KLD between them."""
+    from kveval.commands.parity import parity_command
+
+    type_list = [t.strip() for t in types.split(",") if t.strip()] if types else None
+    parity_command(system, model=model, types=type_list, tokens=tokens, out=str(out) if out else None)
+
+
+@app.command()
+@user_errors
 def validate(
     config: Annotated[Path, typer.Argument(help="Experiment config (YAML).")],
     overrides: OverrideOpt = None,
