@@ -43,6 +43,14 @@ OverrideOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a config value: key.path=value (YAML), repeatable."),
 ]
+AllowCodeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-code",
+        help="Let this run execute code that its inputs name: Python in an lm-eval include_path (!function), "
+        "model.trust_remote_code. Configs are pure data; this is never a config key.",
+    ),
+]
 
 
 @app.command()
@@ -52,12 +60,13 @@ def run(
     overrides: OverrideOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Replace a results folder that holds a different config.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
+    allow_code: AllowCodeOpt = False,
 ):
     """Evaluate the config's KV policies against the full-precision baseline; write results/<name>/."""
     from kveval.commands.run import run_experiment
     from kveval.config import load_config
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, allow_code=allow_code)
     run_experiment(cfg, overwrite=overwrite, quiet=quiet, config_path=str(config))
 
 
@@ -68,11 +77,14 @@ def calibrate(
     overrides: OverrideOpt = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Scales file to write (.safetensors).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
+    allow_code: AllowCodeOpt = False,
 ):
     """Static K/V scales from a calibration slice (the corpus tail): a scales file that policies use as scales: FILE."""
     from kveval.commands.calibrate import calibrate_command
+    from kveval.config import code_allowed
 
-    calibrate_command(str(config), overrides, out=None if out is None else str(out), quiet=quiet)
+    with code_allowed(allow_code):
+        calibrate_command(str(config), overrides, out=None if out is None else str(out), quiet=quiet)
 
 
 @app.command()
@@ -83,11 +95,14 @@ def scan(
     naive: Annotated[bool, typer.Option(help="Recompute every layer for every cell (no prefix reuse), for checking.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace a results folder that holds a different config.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
+    allow_code: AllowCodeOpt = False,
 ):
     """Per-layer, per-K/V sensitivity: quantize one tensor at a time, measure KLD and ΔPPL against FP."""
     from kveval.commands.scan import scan_command
+    from kveval.config import code_allowed
 
-    scan_command(str(config), overrides, naive=naive, overwrite=overwrite, quiet=quiet)
+    with code_allowed(allow_code):
+        scan_command(str(config), overrides, naive=naive, overwrite=overwrite, quiet=quiet)
 
 
 @app.command()
@@ -144,11 +159,13 @@ def parity(
 def validate(
     config: Annotated[Path, typer.Argument(help="Experiment config (YAML).")],
     overrides: OverrideOpt = None,
+    allow_code: AllowCodeOpt = False,
 ):
-    """Check a config without running it."""
+    """Check a config without running it: the schema, and what it names on this machine (output folder, corpus
+    file, scales and plan files, lm-eval include folder), as kveval run checks them before it starts."""
     from kveval.config import load_config
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, allow_code=allow_code)
     names = ", ".join(cfg.policies())
     tasks = ", ".join(t.kind for t in cfg.tasks)
     print(f"{config}: ok (model {cfg.model.name}; policies {names}; tasks {tasks}; output {cfg.output_dir()})")

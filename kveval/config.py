@@ -19,21 +19,47 @@ A config is pure data (YAML); nothing in it is executed. Shape::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import difflib
+import os
 import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
-import yaml
-from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
 from kveval.errors import KvevalError
-from kveval.policy import KVPolicy
-from kveval.schema import Strict
+from kveval.policy import AUTO_SCALES, KVPolicy
+from kveval.results.layout import BASELINE
+from kveval.schema import Strict, load_yaml, read_text_file
 from kveval.tasks import TASKS, task_presets
+
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; a bigger file is not a config
+MAX_NAME_CHARS = 100  # run and policy names name folders and files (plots/needle_<policy>_diff.png)
+MAX_SEED = 2**32 - 1  # every generator kveval seeds (random, torch, numpy) takes it
+MAX_BOOTSTRAP = 100_000
+MAX_GPU_MEMORY = 2**60  # bytes (1 EiB): a bigger "GPU" is a typo
+MAX_TOKENS = 2**31 - 1  # a token count (window, residual, sinks) beyond this overflows index arithmetic
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+_NAME_RULE = (f"use letters, digits, '_', '-' and '.' only, not starting with '.' or '-', at most {MAX_NAME_CHARS} "
+              "characters")
+ALLOW_CODE_HINT = "pass --allow-code on the command line if you trust it"
+_ALLOW_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("kveval_allow_code", default=False)
+
+
+@contextlib.contextmanager
+def code_allowed(allow: bool = True):
+    """Within the block, :func:`load_config` calls that do not say otherwise allow code (the command line's
+    ``--allow-code`` for verbs whose bodies load the config themselves, such as ``kveval scan``)."""
+    token = _ALLOW_CODE.set(bool(allow))
+    try:
+        yield
+    finally:
+        _ALLOW_CODE.reset(token)
 
 
 class ModelConfig(Strict):
@@ -90,6 +116,21 @@ class MemoryConfig(Strict):
     context: int | None = Field(None, gt=0)
     gpu_memory: str = "80GiB"
 
+    @field_validator("gpu_memory")
+    @classmethod
+    def _size(cls, value):
+        from kveval.memory.table import parse_size
+
+        try:
+            n = parse_size(value)
+        except (OverflowError, ValueError):  # 1e400GiB: infinity
+            raise ValueError(f"gpu_memory {value!r} is not a finite size; write e.g. 80GiB") from None
+        except KvevalError as exc:
+            raise ValueError(str(exc)) from None
+        if n > MAX_GPU_MEMORY:
+            raise ValueError(f"gpu_memory {value!r} is larger than any GPU (at most 1EiB)")
+        return value
+
 
 class CalibrationConfig(Strict):
     """How ``kveval calibrate`` (and ``scales: auto`` policies) compute static scales: on the last ``tokens`` tokens
@@ -137,7 +178,16 @@ class KVConfig(Strict):
         if not value:
             raise ValueError("at least one policy is needed")
         for name, cfg in value.items():
-            KVPolicy.from_config(cfg, name=name)  # raises KvevalError with a clear line
+            if name == BASELINE:
+                raise ValueError(f"the policy name '{BASELINE}' is reserved for the full-precision reference "
+                                 "(always run); name your policy otherwise")
+            if len(name) > MAX_NAME_CHARS or not _NAME_RE.fullmatch(name):
+                raise ValueError(f"policy name {name!r}: {_NAME_RULE} (it names files)")
+            policy = KVPolicy.from_config(cfg, name=name)  # raises KvevalError with a clear line
+            for field in ("residual", "sink_tokens"):
+                if getattr(policy, field) > MAX_TOKENS:
+                    raise ValueError(f"policy '{name}': {field} {getattr(policy, field)} is more tokens than any "
+                                     f"context (at most {MAX_TOKENS})")
         return value
 
 
@@ -154,22 +204,57 @@ class ExperimentConfig(Strict):
     memory: MemoryConfig = MemoryConfig()
     calibration: CalibrationConfig = CalibrationConfig()
     plan: str | None = None  # the .plan.json of a planned config (kveval plan): the report compares with it
-    output: str | None = None
-    seed: int = 0
+    output: str | None = Field(None, min_length=1)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    # Not a config key: set by the command line (kveval run --allow-code) or validate(allow_code=True) only.
+    _allow_code: bool = PrivateAttr(default=False)
 
     @field_validator("name")
     @classmethod
     def _safe_name(cls, value):
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
-            raise ValueError("use letters, digits, '_', '-' and '.' only (it names the results folder)")
+        if len(value) > MAX_NAME_CHARS or not _NAME_RE.fullmatch(value):
+            raise ValueError(f"{_NAME_RULE} (it names the results folder)")
         return value
+
+    @model_validator(mode="after")
+    def _task_ranges(self):
+        """Values that would fail only after the evaluation (no window to score, a bootstrap that does not fit in
+        memory, more position bins than positions): refused here, before the first forward pass."""
+        for i, entry in enumerate(self.tasks):
+            p = entry.params
+            max_tokens = getattr(p, "max_tokens", None)
+            if max_tokens is not None and max_tokens < 2:
+                raise ValueError(f"tasks[{i}].{entry.kind}.max_tokens {max_tokens}: at least 2 tokens are needed "
+                                 "(the first one only gives context)")
+            bootstrap = getattr(p, "bootstrap", None)
+            if isinstance(bootstrap, int) and bootstrap > MAX_BOOTSTRAP:
+                raise ValueError(f"tasks[{i}].{entry.kind}.bootstrap {bootstrap} is more than {MAX_BOOTSTRAP} "
+                                 "resamples (1000 give a stable 95% interval)")
+            bins, seq_len = getattr(p, "position_bins", None), getattr(p, "seq_len", None)
+            if isinstance(bins, int) and isinstance(seq_len, int) and bins > seq_len:
+                raise ValueError(f"tasks[{i}].{entry.kind}.position_bins {bins} is more than seq_len {seq_len}")
+        return self
+
+    @property
+    def allow_code(self) -> bool:
+        """Whether this run may execute code that its inputs name (lm-eval include folders with Python,
+        ``trust_remote_code``): only by an explicit opt-in outside the config (``kveval run --allow-code``)."""
+        return self._allow_code
 
     def policies(self) -> dict[str, KVPolicy]:
         """The policies to compare, by name, in config order (the FP baseline is implicit and always run)."""
         return {name: KVPolicy.from_config(cfg, name=name) for name, cfg in self.kv.policies.items()}
 
+    @model_validator(mode="after")
+    def _run_folder(self):
+        self.output_dir()  # the run folder's own checks (kveval.results.layout.run_folder): one KvevalError line
+        return self
+
     def output_dir(self) -> Path:
-        return Path(self.output) if self.output else Path("results") / self.name
+        """The run folder: ``output`` (``~`` expanded), else ``results/<name>`` (:func:`kveval.results.layout.run_folder`)."""
+        from kveval.results.layout import run_folder
+
+        return run_folder(self.name, self.output)
 
     def resolved(self) -> dict:
         """Plain data after defaults, with every policy expanded to its full form (written as config.resolved.yaml)."""
@@ -243,7 +328,7 @@ def _load_task_preset(name: str, index: int) -> dict:
         close = difflib.get_close_matches(name, choices, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f" (tasks: {', '.join(choices)})"
         raise KvevalError(f"tasks[{index}]: unknown task or task preset '{name}'{hint}")
-    data = yaml.safe_load(presets[name].read_text())
+    data = load_yaml(read_text_file(presets[name], "task preset"), str(presets[name]))
     if not isinstance(data, dict) or len(data) != 1:
         raise KvevalError(f"task preset {presets[name]}: expected one mapping {{TASK: {{...}}}}")
     return data
@@ -314,10 +399,7 @@ def parse_overrides(items: list[str]) -> list[tuple[list, Any]]:
             path.append(int(token[1:-1]) if token.startswith("[") else (int(token) if token.isdigit() else token))
         if not path:
             raise KvevalError(f"override '{item}' has an empty key path")
-        try:
-            value = yaml.safe_load(value_text)
-        except yaml.YAMLError:
-            raise KvevalError(f"override '{item}': the value is not valid YAML") from None
+        value = load_yaml(value_text, f"override '{item}'")  # strict: no duplicate keys, no tags
         out.append((path, value))
     return out
 
@@ -349,8 +431,14 @@ def _apply_override(raw: Any, path: list, value: Any, text: str) -> None:
         raise KvevalError(f"override '{text}': {_loc_text(tuple(path[:-1]))} is not a mapping")
 
 
-def validate(raw: Any, source: str = "config", overrides: list[str] | None = None) -> ExperimentConfig:
-    """Validate plain data (already parsed YAML) into an ExperimentConfig; errors are one-line KvevalErrors."""
+def validate(raw: Any, source: str = "config", overrides: list[str] | None = None, *,
+             allow_code: bool = False) -> ExperimentConfig:
+    """Validate plain data (already parsed YAML) into an ExperimentConfig; errors are one-line KvevalErrors.
+
+    ``allow_code``: the opt-in (``kveval run --allow-code``, never a config key) that lets the run execute code
+    its inputs name: ``model.trust_remote_code: true`` is refused without it, and so (at run time, or by
+    :func:`check_inputs`) is an lm-eval ``include_path`` that holds Python.
+    """
     if not isinstance(raw, dict):
         raise KvevalError(f"{source}: expected a YAML mapping at the top level")
     try:
@@ -360,22 +448,135 @@ def validate(raw: Any, source: str = "config", overrides: list[str] | None = Non
             # shorthands (model: NAME) become mappings before a dotted override reaches into them
             _apply_override(raw, path, value, text)
         raw = _normalise(raw)
-        return ExperimentConfig.model_validate(raw)
+        cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as exc:
         raise KvevalError(f"{source}: {_error_line(exc)}") from None
     except KvevalError as exc:
         raise KvevalError(f"{source}: {exc}") from None
+    except RecursionError:  # a structure nested past Python's stack (only from Python callers: YAML is capped)
+        raise KvevalError(f"{source}: nested too deeply") from None
+    cfg._allow_code = bool(allow_code)
+    if cfg.model.trust_remote_code and not allow_code:
+        raise KvevalError(f"{source}: model.trust_remote_code: true runs Python code from the model's folder or hub "
+                          f"repository; configs are pure data: {ALLOW_CODE_HINT}")
+    return cfg
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read, normalise, override and validate a YAML experiment config."""
+def load_config(path: str | Path, overrides: list[str] | None = None, *, allow_code: bool | None = None,
+                check: bool = True) -> ExperimentConfig:
+    """Read (UTF-8, at most ``MAX_CONFIG_BYTES``), parse (strict YAML: no duplicate keys, no tags), normalise,
+    override and validate a YAML experiment config; with ``check`` (the default) also :func:`check_inputs`.
+    ``allow_code``: see :func:`validate` (default: False, or True inside :func:`code_allowed`)."""
+    if allow_code is None:
+        allow_code = _ALLOW_CODE.get()
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise KvevalError(f"config file '{path}' does not exist (the configs/ folder has examples)")
+    text = read_text_file(path, "config file", max_bytes=MAX_CONFIG_BYTES)
+    cfg = validate(load_yaml(text, str(path)), str(path), overrides, allow_code=allow_code)
+    if check:
+        check_inputs(cfg, str(path))
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs on this machine: what run would refuse later, refused before the first forward pass (and by validate)
+# ---------------------------------------------------------------------------------------------------------------
+_NAMED_CORPORA = ("builtin", "wikitext2", "pg19")
+_MAX_COMPONENT = 240  # bytes of one path component: NAME_MAX (255) less room for atomic writes' temporary names
+
+
+def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
+    """What the config names on this machine, checked without loading a model (``kveval validate`` and ``kveval
+    run`` both call it, before anything is written).
+
+    The model name (a builtin, an existing local folder whose config parses, with safetensors weights and no code
+    it would need, a GGUF file), a CUDA device that exists, an output folder that can be created (not a file, no
+    file in its way, writable, names not too long), ``calibration.output`` likewise, the cache root
+    (``KVEVAL_CACHE``) a folder, a local corpus file that reads as non-empty UTF-8 text with string text fields,
+    an lm-eval include folder that exists and holds no code unless ``allow_code``, ``scales:`` files and the
+    ``plan:`` file that are what they claim to be. Errors are one KvevalError line starting with ``source``."""
+    from kveval.models import check_model_source
+    from kveval.paths import check_cache_root
+
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise KvevalError(f"{path}: not valid YAML{at}; check the indentation and quoting") from None
-    return validate(raw, str(path), overrides)
+        check_model_source(cfg.model.name, cfg.model.trust_remote_code)
+        _check_windows_fit(cfg)
+        if cfg.model.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise KvevalError("model.device: cuda requested but CUDA is not available; use device: cpu or auto")
+        check_writable_path(cfg.output_dir(), "output", folder=True)
+        if cfg.calibration.output:
+            check_writable_path(Path(cfg.calibration.output), "calibration.output", folder=False)
+        check_cache_root()
+        if cfg.data.source not in _NAMED_CORPORA:
+            from kveval.data import load_text
+
+            load_text(cfg.data.source, split=cfg.data.split, text_field=cfg.data.text_field)
+        for entry in cfg.tasks:
+            if entry.kind == "lm_eval":
+                from kveval.tasks.lm_eval.task import check_include_path
+
+                check_include_path(entry.params.include_path, allow_code=cfg.allow_code)
+        for name, policy in cfg.policies().items():
+            if policy.needs_scales_file() and policy.scales != AUTO_SCALES:
+                from kveval.calibration.scales_file import load_scales
+
+                try:
+                    load_scales(str(policy.scales))
+                except KvevalError as exc:
+                    raise KvevalError(f"policy '{name}': {exc}") from None
+        if cfg.plan is not None:
+            from kveval.tasks.sensitivity.planner import read_plan_file
+
+            read_plan_file(cfg.plan)
+    except KvevalError as exc:
+        raise KvevalError(f"{source}: {exc}") from None
+
+
+def _check_windows_fit(cfg: ExperimentConfig) -> None:
+    """Task windows longer than the model's context, when the context is known without loading the model (the
+    tasks' own checks say the same at run time, for every model)."""
+    from kveval.models import context_limit_of
+
+    limit = context_limit_of(cfg.model.name)
+    if limit is None:
+        return
+    for i, entry in enumerate(cfg.tasks):
+        p = entry.params
+        field = "context_lengths" if hasattr(p, "context_lengths") else "seq_len"
+        longest = max(getattr(p, field)) if field == "context_lengths" else getattr(p, field, None)
+        if isinstance(longest, int) and longest > limit:
+            raise KvevalError(f"tasks[{i}].{entry.kind}.{field} {longest} is longer than the model's context "
+                              f"({limit} tokens); lower it")
+
+
+def check_writable_path(path: Path, what: str, *, folder: bool) -> None:
+    """KvevalError unless ``path`` (a folder with ``folder``, else a file) could be created or written here:
+    nothing of the other kind in its place, no file among its parents, the nearest existing folder writable,
+    every name at most ``_MAX_COMPONENT`` bytes. Creates nothing."""
+    for part in path.parts:
+        if len(os.fsencode(part)) > _MAX_COMPONENT:
+            raise KvevalError(f"{what} '{path}': the name '{part[:40]}...' is longer than the file system allows "
+                              f"({_MAX_COMPONENT} bytes); shorten it")
+    if len(os.fsencode(str(path.absolute()))) > 3800:
+        raise KvevalError(f"{what} '{path}': the path is longer than the file system allows; shorten it")
+    if path.exists():
+        if folder and not path.is_dir():
+            raise KvevalError(f"{what} '{path}' is a file, not a folder; choose another output")
+        if not folder and path.is_dir():
+            raise KvevalError(f"{what} '{path}' is a folder, not a file")
+        if not folder and not path.is_file():  # /dev/null, a pipe: an atomic write would replace it
+            raise KvevalError(f"{what} '{path}' is not a regular file; give the path of a file to write")
+        target = path if path.is_dir() else path.parent
+    else:
+        target = path.absolute().parent
+        while not target.exists() and target != target.parent:
+            target = target.parent
+        if not target.is_dir():
+            raise KvevalError(f"{what} '{path}': '{target}' is a file, so no folder can be made under it")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise KvevalError(f"{what} '{path}': '{target}' is not writable (permission denied or a read-only file "
+                          "system); choose another output")

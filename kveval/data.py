@@ -25,6 +25,7 @@ import torch
 from .errors import KvevalError
 from .fileio import atomic_path
 from .paths import cache_dir
+from .schema import read_text_file
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,13 @@ def load_text(source: str, *, split: str | None = None, text_field: str = "text"
         rows joined by "\\n\\n").
     split: for the HF datasets (default ``test``); ignored for builtin and files.
 
+    Files must be UTF-8 text (a byte order mark is dropped); a ``.jsonl`` or ``.parquet`` text field must hold
+    strings (a null or a number is an error naming its line or row, never the text ``'None'`` or ``'5'``), and
+    the corpus must hold some non-blank text.
     ``builtin`` is ``pydoc_data.topics.topics`` values joined with "\\n\\n" in sorted key order (deterministic).
     ``wikitext2`` joins the rows of the split with "\\n\\n" (the HF perplexity guide / lm-eval convention).
-    Raises :class:`KvevalError` for a missing file, a missing field, an unknown source, or a dataset that is
-    neither cached locally nor downloadable.
+    Raises :class:`KvevalError` for a missing, unreadable, non-UTF-8 or empty file, a missing or non-string
+    field, an unknown source, or a dataset that is neither cached locally nor downloadable.
     """
     source = str(source)
     if source == "builtin":
@@ -73,31 +77,51 @@ def load_text(source: str, *, split: str | None = None, text_field: str = "text"
     suffix = path.suffix.lower()
     if suffix in _FILE_SUFFIXES:
         if not path.is_file():
-            raise KvevalError(f"corpus file '{source}' does not exist")
+            what = "is not a file" if path.exists() else "does not exist"
+            raise KvevalError(f"corpus file '{source}' {what}")
         if suffix == ".txt":
-            return path.read_text(encoding="utf-8")
-        if suffix == ".jsonl":
-            return "\n\n".join(_jsonl_texts(path, text_field))
-        return "\n\n".join(_parquet_texts(path, text_field))
+            text = read_text_file(path, "corpus file")
+        elif suffix == ".jsonl":
+            text = "\n\n".join(_jsonl_texts(path, text_field))
+        else:
+            text = "\n\n".join(_parquet_texts(path, text_field))
+        if not text.strip():
+            raise KvevalError(f"corpus file '{source}' holds no text")
+        return text
     valid = ", ".join(_CORPORA) + ", or a path to a .txt/.jsonl/.parquet file"
     raise KvevalError(f"unknown corpus {source!r}; valid: {valid}")
 
 
 def _jsonl_texts(path: Path, field: str) -> list[str]:
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise KvevalError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or field not in obj:
-                found = ", ".join(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise KvevalError(f"{path}:{lineno}: no field {field!r} (found: {found}); set text_field")
-            texts.append(str(obj[field]))
+    for lineno, line in enumerate(read_text_file(path, "corpus file").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise KvevalError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise KvevalError(f"{path}:{lineno}: JSON nested too deeply") from None
+        if not isinstance(obj, dict) or field not in obj:
+            found = ", ".join(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise KvevalError(f"{path}:{lineno}: no field {field!r} (found: {found[:200]}); set text_field")
+        value = obj[field]
+        if not isinstance(value, str):
+            raise KvevalError(f"{path}:{lineno}: field {field!r} is {_json_kind(value)}, not a string of text")
+        texts.append(value)
     return texts
+
+
+def _json_kind(value: object) -> str:
+    """``null``, ``a number``, ``a list``... : what a JSON value is, for messages."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def _parquet_texts(path: Path, field: str) -> list[str]:
@@ -109,7 +133,11 @@ def _parquet_texts(path: Path, field: str) -> list[str]:
         raise KvevalError(f"{path}: cannot read parquet ({type(e).__name__}: {e})") from None
     if field not in df.columns:
         raise KvevalError(f"{path}: no column {field!r} (found: {', '.join(map(str, df.columns))}); set text_field")
-    return [str(x) for x in df[field].tolist()]
+    values = df[field].tolist()
+    for row, value in enumerate(values):
+        if not isinstance(value, str):
+            raise KvevalError(f"{path}: row {row} of column {field!r} is {_json_kind(value)}, not a string of text")
+    return values
 
 
 def _hf_dataset(source: str, repo: str, config: str | None, split: str, *, text_field: str,
@@ -145,7 +173,8 @@ def load_tokens(source: str, tokenizer, *, max_tokens: int | None = None, add_bo
     tokenizes in ~0.3 s with a fast tokenizer, so no chunking is done and merges are never cut.)
     Ids are cached as ``cache_dir("tokens")/<key>.npy`` where key hashes the tokenizer fingerprint (class,
     len, bos id and sha256 of ``backend_tokenizer.to_str()``; for slow tokenizers, name_or_path and the ids of a
-    probe string), the text's sha256 and ``add_bos``. Writes are atomic; an unreadable file is rebuilt.
+    probe string), the text's sha256 and ``add_bos``. Writes are atomic; an unreadable file, or one whose ids
+    differ from the digest written beside it (``<key>.npy.xxh3``), is rebuilt.
     """
     text = load_text(source, **kw)
     bos = tokenizer.bos_token_id if (add_bos and getattr(tokenizer, "bos_token", None)) else None
@@ -181,23 +210,42 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+def _ids_digest(ids: np.ndarray) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128(np.ascontiguousarray(ids).tobytes()).hexdigest()
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".xxh3")
+
+
 def _read_ids(path: Path, vocab: int) -> np.ndarray | None:
+    """The cached ids, or None (and the files removed) when they are missing, unreadable, out of the vocabulary or
+    not the ids written (their xxh3-128 digest, kept beside them, differs: a changed id is never used silently)."""
     if not path.exists():
         return None
     try:
         ids = np.load(path, allow_pickle=False)
         if ids.ndim != 1 or ids.dtype != np.int64 or (ids.size and (ids.min() < 0 or ids.max() >= vocab)):
             raise ValueError("unexpected contents")
+        digest = _digest_path(path)
+        if not digest.is_file() or digest.read_text().strip() != _ids_digest(ids):
+            raise ValueError("digest missing or different")
         return ids
     except Exception as e:
         log.warning("kveval: token cache file %s is unreadable (%s); rebuilding it", path, e)
         path.unlink(missing_ok=True)
+        _digest_path(path).unlink(missing_ok=True)
         return None
 
 
 def _write_ids(path: Path, ids: np.ndarray) -> None:
+    """The ids and then their digest, each atomically (a crash between the two leaves ids without a digest: rebuilt)."""
     with atomic_path(path, suffix=".npy") as tmp, open(tmp, "wb") as f:
         np.save(f, ids, allow_pickle=False)
+    with atomic_path(_digest_path(path)) as tmp:
+        tmp.write_text(_ids_digest(ids) + "\n")
 
 
 # --------------------------------------------------------------------------------------------- windows

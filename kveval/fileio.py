@@ -1,27 +1,37 @@
-"""Crash-safe file primitives shared by every module that writes: atomic replacement and the JSONL log reader.
+"""Crash-safe file primitives shared by every module that writes: atomic replacement, appends that never follow a
+symbolic link, and the JSONL log reader.
 
     atomic_write_json(run / "metrics.json", metrics)       # readers see the old file or the new one, never half
     with atomic_path(scales_path) as tmp:                  # any writer that wants a path (safetensors, numpy...)
         save_file(tensors, str(tmp))
     with atomic_path(entry, folder=True) as tmp: ...       # a whole folder, renamed into place when complete
-    records = read_jsonl(run / "records.jsonl")            # an append-only log, minus a torn last line
+    append_line(run / "records.jsonl", json.dumps(rec))    # one line, flushed to disk, never through a link
+    records = read_jsonl(run / "records.jsonl")            # an append-only log, minus its unreadable lines
 
 The temporary file or folder is a hidden sibling of the target (``.<name>.<random>``, same file system, so the
-final ``os.replace`` is atomic); it is removed when the block raises. Files are created by
-:func:`tempfile.mkstemp`, so they keep its mode (0600). Standard library only, in the lowest layer: the data and
-model caches, scales files, run folders and plan files all write through it.
+final ``os.replace`` is atomic, and it replaces a symbolic link at the target rather than writing through it); it is
+removed when the block raises. It is created with the mode an ordinary ``open`` or ``mkdir`` would give (0666 /
+0777 minus the umask: 0644 / 0755 under umask 022), never :func:`tempfile.mkstemp`'s 0600. Standard library only,
+in the lowest layer: the data and model caches, scales files, run folders and plan files all write through it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
 import shutil
-import tempfile
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+#: ``os.O_NOFOLLOW`` where the platform has it (every POSIX system); 0 elsewhere.
+O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
 
 
 def _unlink_quietly(path: Path) -> None:
@@ -31,6 +41,22 @@ def _unlink_quietly(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _fresh_sibling(path: Path, suffix: str, folder: bool) -> Path:
+    """Create a new hidden sibling ``.<name>.<random><suffix>`` of ``path`` (an empty file, or an empty folder)
+    with the ordinary mode (0666 or 0777 minus the umask) and return it."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}{suffix}"
+        try:
+            if folder:
+                os.mkdir(tmp, 0o777)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+
+
 @contextmanager
 def atomic_path(path: str | Path, *, folder: bool = False, suffix: str = "",
                 replace: Callable[[Path, Path], None] | None = None) -> Iterator[Path]:
@@ -38,18 +64,15 @@ def atomic_path(path: str | Path, *, folder: bool = False, suffix: str = "",
     block ends without an error it takes the place of ``path``, otherwise it is deleted.
 
     ``suffix``: the temporary name's ending (for writers that add or expect one, such as ``.npy``).
-    ``replace(tmp, path)``: how it takes the place of ``path`` (default :func:`os.replace`); a caller that may lose
-    a race to another process (a folder cannot replace a non-empty folder) passes its own. Whatever is left at the
-    temporary path afterwards is deleted. The parent folder is created when missing.
+    ``replace(tmp, path)``: how it takes the place of ``path`` (default :func:`os.replace`, which replaces a
+    symbolic link at ``path`` instead of writing through it); a caller that may lose a race to another process (a
+    folder cannot replace a non-empty folder) passes its own. Whatever is left at the temporary path afterwards is
+    deleted. The parent folder is created when missing. The file or folder gets the ordinary mode (0666 / 0777
+    minus the umask).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if folder:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent))
-    else:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
-        os.close(fd)
-        tmp = Path(name)
+    tmp = _fresh_sibling(path, suffix, folder)
     try:
         yield tmp
         (replace or os.replace)(tmp, path)
@@ -58,9 +81,20 @@ def atomic_path(path: str | Path, *, folder: bool = False, suffix: str = "",
             _unlink_quietly(tmp)
 
 
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` so that readers see the old or the new content, never a half-written file (flushed and
+    fsync'ed before the rename; a symbolic link at ``path`` is replaced, never followed)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (the platform's default encoding, as :func:`open` does) so that readers see the old or the
-    new content, never a half-written file (flushed and fsync'ed before the rename)."""
+    new content, never a half-written file (flushed and fsync'ed before the rename; a symbolic link at ``path``
+    is replaced, never followed)."""
     with atomic_path(path) as tmp:
         with open(tmp, "w") as fh:
             fh.write(text)
@@ -74,27 +108,139 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, allow_nan=True) + "\n")
 
 
-def read_jsonl(path: str | Path) -> list[Any]:
-    """The objects of an append-only JSONL log (one JSON document per line), in file order; ``[]`` when the file
-    does not exist.
+def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` that refuses a symbolic link at ``path`` and anything but a regular file there.
 
-    A last line without its newline (a write cut short by a killed process) is skipped. A line that is not valid
-    JSON, an empty line included, ends the reading: that line and every line after it are ignored (no error), as
-    if the log ended there.
+    Raises :class:`OSError`: ``ELOOP`` for a link (whatever it points to), ``EISDIR`` for a folder, ``EINVAL``
+    for another kind of file (a FIFO, a device); the descriptor is closed before raising.
+    """
+    fd = os.open(path, flags | O_NOFOLLOW | _O_NONBLOCK, mode)  # a FIFO must not block the open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+            raise OSError(code, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append one line (``line`` plus a newline, UTF-8) to ``path``, created when missing (ordinary mode), and
+    flush it to disk before returning. Never follows a symbolic link: a link at ``path`` raises ``OSError``
+    (``ELOOP``), as does a folder or a special file (see :func:`open_nofollow`)."""
+    data = (line.rstrip("\n") + "\n").encode()
+    fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class JsonlRead:
+    """What :func:`scan_jsonl` found: ``objects`` (the readable lines' documents, in file order), ``bad_lines``
+    (1-based numbers of the complete lines that are not JSON, empty lines included) and ``torn`` (True when the
+    file ends with an incomplete last line: bytes without a newline that are not a complete JSON object)."""
+
+    objects: list[Any] = field(default_factory=list)
+    bad_lines: list[int] = field(default_factory=list)
+    torn: bool = False
+
+
+def _loads_line(raw: bytes) -> Any:
+    return json.loads(raw.decode("utf-8"))
+
+
+def scan_jsonl(path: str | Path) -> JsonlRead:
+    """Read an append-only JSONL log (one JSON document per line) without stopping at damage.
+
+    A line that is not valid JSON (or not UTF-8), an empty line included, is skipped and its number is listed in
+    ``bad_lines``; the lines after it still count. A last line without its newline is the torn tail of a killed
+    write (``torn``), unless it is a complete JSON object (a file whose final newline was lost), which counts. An
+    absent file reads as empty. A folder or another non-regular file at ``path`` raises :class:`OSError`.
     """
     path = Path(path)
-    out: list[Any] = []
-    if not path.exists():
+    out = JsonlRead()
+    if not os.path.lexists(path):
         return out
-    with open(path) as fh:
-        for line in fh:
-            if not line.endswith("\n"):
-                break  # torn write at the end of the file
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+    fd = os.open(path, os.O_RDONLY | _O_NONBLOCK)  # reading may follow a link; a FIFO must not block
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+            raise OSError(code, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            if not raw.endswith(b"\n"):
+                try:
+                    doc = _loads_line(raw)
+                except ValueError:
+                    doc = None
+                if isinstance(doc, dict):
+                    out.objects.append(doc)
+                else:
+                    out.torn = True
                 break
+            try:
+                out.objects.append(_loads_line(raw))
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+                out.bad_lines.append(number)
     return out
 
 
-__all__ = ["atomic_path", "atomic_write_json", "atomic_write_text", "read_jsonl"]
+def read_jsonl(path: str | Path) -> list[Any]:
+    """The documents of an append-only JSONL log, in file order; ``[]`` when the file does not exist.
+
+    Damage does not hide what follows it: a line that is not valid JSON in the middle is skipped and the later
+    lines still count; a torn last line (a write cut short by a killed process) is skipped (:func:`scan_jsonl`
+    says exactly what is skipped and reports it).
+    """
+    return scan_jsonl(path).objects
+
+
+def end_with_newline(path: str | Path) -> bool:
+    """Make an append-only log end on a line boundary before more lines are appended, so that a new line is never
+    glued to a torn one: a torn last line (not a complete JSON object) is cut off, a complete one that lost its
+    newline gets it back. Never follows a symbolic link (``OSError`` ``ELOOP``). Returns True when the file
+    changed; an absent file is left absent."""
+    if not os.path.lexists(path):
+        return False
+    fd = open_nofollow(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return False
+        if os.pread(fd, 1, size - 1) == b"\n":
+            return False
+        start = max(0, size - (1 << 16))
+        tail = os.pread(fd, size - start, start)
+        while b"\n" not in tail and start > 0:  # a very long last line: read further back
+            start = max(0, start - (1 << 20))
+            tail = os.pread(fd, size - start, start)
+        cut = start + tail.rfind(b"\n") + 1  # 0 when the file has no newline at all
+        last = os.pread(fd, size - cut, cut)
+        try:
+            complete = isinstance(_loads_line(last), dict)
+        except ValueError:
+            complete = False
+        if complete:
+            os.lseek(fd, 0, os.SEEK_END)
+            os.write(fd, b"\n")
+        else:
+            os.ftruncate(fd, cut)
+        os.fsync(fd)
+        return True
+    finally:
+        os.close(fd)
+
+
+__all__ = ["JsonlRead", "O_NOFOLLOW", "append_line", "atomic_path", "atomic_write_bytes", "atomic_write_json",
+           "atomic_write_text", "end_with_newline", "open_nofollow", "read_jsonl", "scan_jsonl"]

@@ -8,8 +8,15 @@
 
 GGUF files are dequantized by transformers once (about 20 s) and cached as safetensors under
 ``cache_dir("models", "<stem>-<key>")`` (see :func:`gguf_cache_path`); later loads take well under a second.
-A cache entry is only used when its ``kveval-complete.json`` marker matches the files on disk; otherwise it is
-deleted and rebuilt.
+A cache entry is only used when its ``kveval-complete.json`` marker matches the files on disk: the same files, of
+the same sizes, with the same xxh3-128 digest of their whole content (written when the entry was built; a
+flipped block in the weights or an edited config.json or tokenizer.json is caught); otherwise it is deleted and
+rebuilt. Temporary folders of conversions whose process died are removed at the next load.
+
+What is refused, as one :class:`KvevalError` line: a local folder whose weights are pickles only (``*.bin``,
+``*.pt``: kveval loads safetensors, never pickle), with no weights, with a config or tokenizer that does not
+parse, that needs its own Python code (``auto_map``) without ``trust_remote_code``; a file that is not a GGUF
+model; weights that hold NaN or infinity (also after casting to ``dtype``: float16 overflows at 65504).
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ import hashlib
 import importlib.util
 import json
 import logging
+import mmap
 import os
+import re
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -45,7 +55,15 @@ DEVICES = ("cpu", "cuda", "auto")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONTEXT_LIMIT_FALLBACK = 2048  # used by model_context_limit when the config names no limit
 MARKER = "kveval-complete.json"
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 1  # part of the entry's folder name (gguf_cache_path): a new value orphans old entries
+_MARKER_FORMAT = 2  # 2: whole-file xxh3-128 digests of every file (1: sizes and the weights' first/last MiB)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+STALE_TEMP_SECONDS = 600  # a dead process's temporary conversion folder untouched this long is removed
+LEGACY_TEMP_SECONDS = 3600  # a temporary folder of an older kveval (no process id in its name)
+
+TINY_CONTEXT = 2048  # max_position_embeddings of the tiny random models
+# the context of builtin models, known without loading them (kveval validate compares task windows with it)
+_BUILTIN_CONTEXT = {"smollm2-135m": 8192, "tiny-llama": TINY_CONTEXT, "tiny-gemma3": TINY_CONTEXT}
 
 _BUILTINS: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct (Llama, 30 layers, 9 q / 3 kv heads, head_dim 64), GGUF Q4_1 from "
@@ -173,7 +191,7 @@ def tiny_model_config(name: str):
     key = name.removeprefix("builtin:")
     common = dict(
         vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=TINY_CONTEXT,
         pad_token_id=BYTE_SPECIALS.index("<pad>"), bos_token_id=BYTE_SPECIALS.index("<bos>"),
         eos_token_id=BYTE_SPECIALS.index("<eos>"), tie_word_embeddings=True,
     )
@@ -356,10 +374,107 @@ def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool):
         if len(ggufs) == 1:
             return _load_gguf(ggufs[0], dtype)
         raise KvevalError(f"model folder '{path}' has no config.json (and not exactly one .gguf file)")
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
-                                                 trust_remote_code=trust_remote_code)
+    check_model_folder(path, trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=trust_remote_code, use_safetensors=True)
+    except KvevalError:
+        raise
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for a broken folder
+        raise KvevalError(f"model folder '{path}' cannot be loaded: {_first_line(e)}") from None
     return model, tok
+
+
+def check_model_source(name: str, trust_remote_code: bool = False) -> None:
+    """What can be said about a model name without loading it (``kveval validate``): an unknown builtin, a path that
+    does not exist, a local folder's files (:func:`check_model_folder`), a file that is not GGUF. Hub ids pass."""
+    name = str(name)
+    if name.startswith("builtin:"):
+        if name not in builtin_models():
+            raise KvevalError(f"unknown builtin model {name!r}; builtin models: {', '.join(builtin_models())}")
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            check_model_folder(path, trust_remote_code)
+        elif len(list(path.glob("*.gguf"))) != 1:
+            raise KvevalError(f"model folder '{path}' has no config.json (and not exactly one .gguf file)")
+    elif path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise KvevalError(f"model path {name!r} is neither a folder with config.json nor a .gguf file")
+        _check_gguf_header(path)
+    elif path.exists():
+        raise KvevalError(f"model path {name!r} is neither a folder with config.json nor a .gguf file")
+    elif _looks_like_path(name):
+        raise KvevalError(f"model path {name!r} does not exist")
+
+
+def context_limit_of(name: str) -> int | None:
+    """The model's context (as :func:`model_context_limit` would give it) when it is known without loading the
+    model: builtins, and local folders whose config.json names ``max_position_embeddings`` (or its text config);
+    None otherwise (hub ids, GGUF files)."""
+    name = str(name)
+    if name.startswith("builtin:"):
+        return _BUILTIN_CONTEXT.get(name.split(":", 1)[1])
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    for section in (cfg.get("text_config"), cfg) if isinstance(cfg, dict) else ():
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _check_gguf_header(path: Path) -> None:
+    """KvevalError unless ``path`` starts with the GGUF magic and a version this reader handles (2 or 3)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise KvevalError(f"GGUF file '{path}' cannot be read ({e.strerror or type(e).__name__})") from None
+    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+    if head[:4] != b"GGUF" or version not in (2, 3):
+        what = "has no GGUF magic" if head[:4] != b"GGUF" else f"is GGUF version {version} (2 and 3 are read)"
+        raise KvevalError(f"'{path}' {what}: not a GGUF model file")
+
+
+def _first_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters), for one-line errors."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    if "trust_remote_code" in text:
+        return ("it needs its own Python code (custom code / auto_map); kveval runs it only with "
+                "model.trust_remote_code: true and --allow-code")
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+
+
+def check_model_folder(path: Path, trust_remote_code: bool = False) -> None:
+    """A local model folder's files before transformers reads them: config.json is a JSON object, the weights are
+    safetensors (pickle-only weights are refused, never loaded), and code it names (``auto_map``) is refused
+    unless ``trust_remote_code``. One KvevalError line for each."""
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise KvevalError(f"model folder '{path}': config.json is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise KvevalError(f"model folder '{path}': config.json is not a JSON object")
+    if "auto_map" in cfg and not trust_remote_code:
+        raise KvevalError(f"model folder '{path}' needs its own Python code (auto_map in config.json); kveval runs "
+                          "it only with model.trust_remote_code: true and --allow-code")
+    files = [p.name for p in path.iterdir() if p.is_file()]
+    if any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in files):
+        return
+    pickles = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES) or f.endswith(".bin.index.json"))
+    if pickles:
+        raise KvevalError(f"model folder '{path}' holds pickle weights only ({', '.join(pickles[:3])}); kveval never "
+                          "loads pickles (they can run code): convert them to safetensors")
+    raise KvevalError(f"model folder '{path}' has no weights (no *.safetensors file)")
 
 
 def _load_hub(name: str, dtype: torch.dtype, trust_remote_code: bool):
@@ -369,7 +484,7 @@ def _load_hub(name: str, dtype: torch.dtype, trust_remote_code: bool):
         try:
             tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa",
-                                                         trust_remote_code=trust_remote_code)
+                                                         trust_remote_code=trust_remote_code, use_safetensors=True)
         except (OSError, ValueError) as e:  # hub errors are OSError subclasses; bad repo ids are ValueError
             if offline or _is_connection_error(e):
                 raise KvevalError(f"model {name!r} is not in the local HuggingFace cache and the hub cannot be "
@@ -389,26 +504,93 @@ def _is_connection_error(e: BaseException) -> bool:
 
 def _load_gguf(path: Path, dtype: torch.dtype):
     """Load a GGUF file through the conversion cache, rebuilding a missing or corrupt entry."""
-    entry = gguf_cache_path(path)
+    _check_gguf_header(path)
+    try:
+        entry = gguf_cache_path(path)
+    except OSError as e:
+        raise KvevalError(f"GGUF file '{path}' cannot be read ({e.strerror or type(e).__name__})") from None
+    clean_stale_temporaries(entry.parent)
     if entry.exists():
         problem = _verify_entry(entry)
         if problem is None:
             try:
-                return _load_entry(entry, dtype)
+                return _load_entry(entry, dtype, verified=True)
             except Exception as e:  # a damaged entry must never be used
                 problem = f"load failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         log.warning("kveval: model cache entry %s is unusable (%s); rebuilding it", entry, problem)
         shutil.rmtree(entry, ignore_errors=True)
-    _convert_gguf(path, entry)
-    return _load_entry(entry, dtype)
+    try:
+        _convert_gguf(path, entry)
+    except KvevalError:
+        raise
+    except Exception as e:  # the gguf reader and transformers raise ValueError, KeyError, struct.error, ...
+        raise KvevalError(f"'{path}' is not a GGUF model that transformers can convert ({_first_line(e)})") from None
+    return _load_entry(entry, dtype, verified=True)
 
 
-def _load_entry(entry: Path, dtype: torch.dtype):
+def _load_entry(entry: Path, dtype: torch.dtype, verified: bool = False):
+    """Model and tokenizer of a cache entry; ``verified``: its digests matched, and entries are only written with
+    finite weights, so the model is marked ``kveval_weights_finite`` (the warm load skips that check)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, attn_implementation="sdpa", use_safetensors=True)
     tok = AutoTokenizer.from_pretrained(entry)
+    if verified:
+        if torch.finfo(dtype).max < torch.finfo(torch.float32).max:  # stored in float32, loaded narrower
+            check_finite_weights(model, str(entry), cast_from=torch.float32)
+        model.kveval_weights_finite = True
     return model, tok
+
+
+_TEMP_NAME = re.compile(r"\.(?P<entry>.+-[0-9a-f]{16})\.[A-Za-z0-9_]{8}(?:\.pid(?P<pid>\d+))?")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's process (or a number we cannot ask about): leave its folder alone
+    return True
+
+
+def _last_change(folder: Path) -> float:
+    """The newest modification time of ``folder`` and the files directly in it (a file being written is touched
+    continuously)."""
+    times = [folder.stat().st_mtime]
+    for p in folder.iterdir():
+        with contextlib.suppress(OSError):
+            times.append(p.stat().st_mtime)
+    return max(times)
+
+
+def clean_stale_temporaries(models_dir: Path, now: float | None = None) -> list[Path]:
+    """Remove the temporary folders that conversions left in ``models_dir`` when their process was killed
+    (``.<entry>.<random>.pid<N>``: process N is gone and nothing in it changed for ``STALE_TEMP_SECONDS``; a
+    name without ``.pid<N>``, from an older kveval: nothing changed for ``LEGACY_TEMP_SECONDS``). Returns them."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        children = list(models_dir.iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        m = _TEMP_NAME.fullmatch(child.name)
+        if m is None or child.is_symlink() or not child.is_dir():
+            continue
+        pid = m["pid"]
+        try:
+            if pid is not None and (_pid_alive(int(pid)) or now - _last_change(child) < STALE_TEMP_SECONDS):
+                continue
+            if pid is None and now - _last_change(child) < LEGACY_TEMP_SECONDS:
+                continue
+        except OSError:
+            continue  # gone meanwhile
+        log.warning("kveval: removing %s, a model conversion left behind by a process that ended", child)
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(child)
+    return removed
 
 
 def _convert_gguf(path: Path, entry: Path) -> None:
@@ -425,14 +607,22 @@ def _convert_gguf(path: Path, entry: Path) -> None:
     for cfg in (model.config, _text_config(model.config)):
         if hasattr(cfg, "quantization_config"):
             delattr(cfg, "quantization_config")
-    with atomic_path(entry, folder=True, replace=_install_entry) as tmp:
+    check_finite_weights(model, str(path))  # an entry is only written with finite weights (see _load_entry)
+    # the temporary folder's name carries this process's id: a later load removes it if this process dies
+    with atomic_path(entry, folder=True, replace=_install_entry, suffix=f".pid{os.getpid()}") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        marker = {"format": _CACHE_FORMAT, "source": str(path), "source_size": path.stat().st_size,
-                  "files": files, "checksum": _weights_checksum(tmp)}
-        # the marker goes in before the rename, so an entry that appears is complete
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+        write_marker(tmp, path)  # before the rename, so an entry that appears is complete
+
+
+def write_marker(folder: Path, source: Path) -> None:
+    """The ``kveval-complete.json`` of a cache entry: every file's size and xxh3-128 digest (what
+    :func:`_verify_entry` checks at each load) and the GGUF file it was converted from."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MARKER)
+    marker = {"format": _MARKER_FORMAT, "source": str(source), "source_size": source.stat().st_size,
+              "files": {n: (folder / n).stat().st_size for n in names}, "digest": "xxh3_128",
+              "digests": {n: file_digest(folder / n) for n in names}}
+    (folder / MARKER).write_text(json.dumps(marker, indent=1))
 
 
 def _install_entry(tmp: Path, entry: Path) -> None:
@@ -446,41 +636,66 @@ def _install_entry(tmp: Path, entry: Path) -> None:
             os.replace(tmp, entry)
 
 
-def _weights_checksum(folder: Path) -> str:
-    """sha256 over (size, first MiB, last MiB) of every ``*.safetensors`` file: cheap, catches truncation."""
-    h = hashlib.sha256()
-    for p in sorted(folder.glob("*.safetensors")):
-        size = p.stat().st_size
-        h.update(f"{p.name}|{size}|".encode())
-        with open(p, "rb") as f:
-            h.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read(1 << 20))
-    return h.hexdigest()
+def file_digest(path: Path) -> str:
+    """xxh3-128 of a file's whole content, hex (the file is mapped, not copied: ~0.1 s for the builtin model's
+    540 MB on one core). A digest against corruption and stray edits: whoever can write the cache can also
+    rewrite its marker, so a cryptographic hash would add nothing but time."""
+    import xxhash
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_128(b"").hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return xxhash.xxh3_128(m).hexdigest()
 
 
 def _verify_entry(entry: Path) -> str | None:
-    """None when the entry is complete; otherwise what is wrong with it."""
+    """None when the entry is complete and unchanged since it was built; otherwise what is wrong with it."""
     try:
         marker = json.loads((entry / MARKER).read_text())
     except (OSError, ValueError):
         return "missing or unreadable marker"
-    if marker.get("format") != _CACHE_FORMAT or not isinstance(marker.get("files"), dict):
+    files, digests = marker.get("files"), marker.get("digests")
+    if (marker.get("format") != _MARKER_FORMAT or marker.get("digest") != "xxh3_128" or not isinstance(files, dict)
+            or not isinstance(digests, dict) or set(files) != set(digests)):
         return "marker of another format"
-    for fname, size in marker["files"].items():
+    present = {p.name for p in entry.iterdir()} - {MARKER}
+    extra = sorted(present - set(files))
+    if extra:
+        return f"unexpected file {extra[0]}"
+    for fname, size in files.items():
         p = entry / fname
         if not p.is_file() or p.stat().st_size != size:
             return f"{fname} missing or of the wrong size"
-    if not any(f.endswith(".safetensors") for f in marker["files"]):
+    if not any(f.endswith(".safetensors") for f in files):
         return "no weights listed"
-    if _weights_checksum(entry) != marker.get("checksum"):
-        return "weights checksum mismatch"
+    for fname, digest in digests.items():
+        if file_digest(entry / fname) != digest:
+            return f"{fname} changed since the entry was built (digest mismatch)"
     return None
 
 
+def check_finite_weights(model, name: str, cast_from: torch.dtype | None = None) -> None:
+    """KvevalError naming the first parameter that holds NaN or infinity (``cast_from``: the dtype the weights
+    were cast from, for the hint that the cast overflowed). One float64 sum per tensor: finite iff every element
+    is, at a fraction of an elementwise check's cost."""
+    for pname, p in model.named_parameters():
+        if p.numel() and not bool(torch.isfinite(p.detach().sum(dtype=torch.float64))):
+            kind = "NaN" if bool(torch.isnan(p).any()) else "infinity"
+            hint = (f"; casting from {str(cast_from).removeprefix('torch.')} to {str(p.dtype).removeprefix('torch.')}"
+                    " overflowed: use a wider dtype (float32, bfloat16)" if cast_from is not None
+                    else "; the model's weights are broken (overflowing or corrupt)")
+            raise KvevalError(f"model {name!r}: weights '{pname}' hold {kind}{hint}")
+
+
 def _finish(model, tok, name: str, device: torch.device, dtype: torch.dtype):
-    if next(model.parameters()).dtype != dtype:
+    loaded = next(model.parameters()).dtype
+    if not getattr(model, "kveval_weights_finite", False):  # a verified cache entry was checked when built
+        check_finite_weights(model, name)  # a broken model file
+    if loaded != dtype:
         model.to(dtype)
+        if loaded.is_floating_point and torch.finfo(dtype).max < torch.finfo(loaded).max:
+            check_finite_weights(model, name, cast_from=loaded)  # a narrowing cast (to float16) that overflowed
     if dtype == torch.float64:  # float64 end to end: transformers' RMSNorm would compute in float32
         from kveval.patch.exact_norms import make_norms_exact
 

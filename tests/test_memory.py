@@ -148,15 +148,17 @@ def test_sliding_window_and_short_contexts():
 
 def test_kivi_amortised_channel_blocks():
     arch = Arch.named("smollm2-135m")
-    # 2000 tokens: 15 complete 128-token blocks (1920 tokens) quantized, 80 in the residual
+    # 2000 tokens: keys in 15 complete 128-token blocks (1920 tokens) quantized, 80 in the residual; values: all but
+    # the newest 128 quantized (KIVI's sliding value window)
     b = kv_bytes(arch, "kivi2", 2000)
     assert (b.quantized_tokens, b.fp_tokens) == (1920, 80)
-    # keys: per block per head per channel fp16 scale + fp16 min = 4 B; 15 blocks
-    assert b.key.scales == 30 * 3 * 15 * 64 * 4
+    assert b.value_tokens == (128, 1872)
+    # keys: per group of 32 tokens per head per channel, fp16 scale + fp16 min = 4 B; 1920 / 32 = 60 groups
+    assert b.key.scales == 30 * 3 * 60 * 64 * 4
     # values int2 g32: per token per head 2 groups * 4 B
-    assert b.value.scales == 30 * 3 * 1920 * 2 * 4
-    assert b.codes == 2 * 30 * 3 * 1920 * 16
-    assert b.residual == 2 * 30 * 3 * 80 * 64 * 2
+    assert b.value.scales == 30 * 3 * 1872 * 2 * 4
+    assert b.codes == 30 * 3 * (1920 + 1872) * 16
+    assert b.residual == 30 * 3 * (80 + 128) * 64 * 2
 
 
 # ------------------------------------------------------------------------------------------- capacity, paging
@@ -195,9 +197,9 @@ def test_paging_by_hand():
     assert paging(MHA, both(INT4_G64, "g"), 2050).tokens_for(1 * GiB) == (GiB // 2_359_296) * 16
     # exact multiples waste nothing; a block of 32
     assert paging(MHA, "int8", 2048).waste == 0 and paging(MHA, "fp16", 2048, block_size=32).blocks == 64
-    # kivi: per-channel scales amortised over the 128-token block (fp16 scale + min per channel and head)
+    # kivi: per-channel key scales amortised over their 32-token group (fp16 scale + min per channel and head)
     kb = block_bytes(Arch(layers=1, kv_heads=1, head_dim=64), "kivi2", 16)
-    assert kb == 16 * 16 + 64 * 4 * 16 / 128 + 16 * (16 + 2 * 4)
+    assert kb == 16 * 16 + 64 * 4 * 16 / 32 + 16 * (16 + 2 * 4)
 
 
 # ------------------------------------------------------------------------------------------- reports
@@ -434,6 +436,6 @@ def test_real_cache_equals_bill_builtin_decode(smollm_states, name):
     for i, (k, v) in states.items():  # bring the other layers to 2048 in one update each
         if i not in watched:
             cache.update(k[:, :, 2000:], v[:, :, 2000:], i)
-    if name == "kivi2":
-        assert kv_bytes(arch, policy, 2000, fp_bytes=4).residual == 2 * 30 * 3 * 80 * 64 * 4
+    if name == "kivi2":  # keys: 80 tokens in the residual; values: the newest 128
+        assert kv_bytes(arch, policy, 2000, fp_bytes=4).residual == 30 * 3 * (80 + 128) * 64 * 4
     assert _measured(cache) == _billed(arch, policy, 2048, 4)

@@ -200,6 +200,11 @@ def test_cache_reads_equal_a_fresh_dequantization_of_the_packed_storage(name, ti
 
 
 def replace_residual(policy, residual):
+    """``policy`` with a shorter residual; a per-channel key spec with token groups (kivi2: 32 tokens) gets groups of
+    ``residual // 2`` tokens, so that they tile the blocks."""
     from dataclasses import replace
 
-    return replace(policy, residual=residual)
+    key = policy.key
+    if key.granularity == "channel" and key.group_size is not None:
+        key = replace(key, group_size=residual // 2)
+    return replace(policy, residual=residual, key=key)

@@ -11,6 +11,12 @@ and a JSON header (safetensors metadata key ``kveval_scales``): ``format`` (1), 
 ``kv_heads``, ``head_dim``, ``corpus``, ``tokenizer`` (fingerprint), ``token_start``/``token_end`` (the corpus
 token range used), ``tokens``, ``seq_len``, ``method``, ``percentile``, ``target`` (the spec an ``mse`` file was
 searched for, else null), ``dtype``, ``created``, ``kveval``.
+
+Reading checks the file before any run uses it (one :class:`KvevalError` line each): a safetensors file with the
+header, the format, positive integer ``layers``/``kv_heads``/``head_dim``, the key and value ranges, every tensor
+of the shape that the header's sizes give (a file whose tensors disagree with its header fails here, not
+mid-run), finite, ``absmax >= 0`` and ``lo <= hi``. A file that cannot be read says how to get a new one: delete
+it and recalibrate (``kveval calibrate``, or rerun a ``scales: auto`` run, which calibrates again).
 """
 
 from __future__ import annotations
@@ -107,7 +113,8 @@ def load_scales(path: str | Path) -> ScalesFile:
     """Read a scales file; a missing or foreign file is one clear KvevalError."""
     p = Path(path)
     if not p.is_file():
-        raise KvevalError(f"scales file '{path}' does not exist; write one with kveval calibrate CONFIG")
+        what = "is not a file" if p.exists() else "does not exist"
+        raise KvevalError(f"scales file '{path}' {what}; write one with kveval calibrate CONFIG")
     stat = p.stat()
     return _load(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
 
@@ -121,7 +128,8 @@ def _load(path: str, _mtime: int, _size: int) -> ScalesFile:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise KvevalError(f"scales file '{path}' cannot be read ({exc}); recalibrate") from None
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise KvevalError(f"scales file '{path}' cannot be read ({first}); {RECALIBRATE}") from None
     if _META_KEY not in meta:
         raise KvevalError(f"'{path}' is not a kveval scales file (no '{_META_KEY}' header); write one with kveval calibrate")
     try:
@@ -129,11 +137,42 @@ def _load(path: str, _mtime: int, _size: int) -> ScalesFile:
     except ValueError:
         header = None
     if not isinstance(header, dict):
-        raise KvevalError(f"scales file '{path}' has an unreadable header; recalibrate")
+        raise KvevalError(f"scales file '{path}' has an unreadable header; {RECALIBRATE}")
     if header.get("format") != FORMAT_VERSION:
         raise KvevalError(f"scales file '{path}' has format {header.get('format')}, this kveval reads {FORMAT_VERSION}")
     missing = [f"{k}.{g}.{s}" for k in ("key", "value") for g in STATIC_GRANULARITIES for s in ("absmax", "lo", "hi")
                if f"{k}.{g}.{s}" not in tensors]
     if missing:
-        raise KvevalError(f"scales file '{path}' lacks {missing[0]}; recalibrate")
+        raise KvevalError(f"scales file '{path}' lacks {missing[0]}; {RECALIBRATE}")
+    _check_tensors(path, header, tensors)
     return ScalesFile(header=header, tensors=tensors, path=path)
+
+
+RECALIBRATE = "delete it and recalibrate (kveval calibrate CONFIG; a scales: auto run calibrates again by itself)"
+
+
+def _check_tensors(path: str, header: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor has the shape the header's sizes give, holds finite values, absmax >= 0 and lo <= hi."""
+    sizes = [header.get(k) for k in ("layers", "kv_heads", "head_dim")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        raise KvevalError(f"scales file '{path}': its header's layers / kv_heads / head_dim {tuple(sizes)} are not "
+                          f"positive integers; {RECALIBRATE}")
+    layers, heads, dim = sizes
+    shapes = {"tensor": (layers,), "head": (layers, heads), "channel": (layers, heads, dim)}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        gran = parts[-2] if len(parts) >= 3 else None
+        if gran not in shapes:
+            continue
+        if tuple(t.shape) != shapes[gran]:
+            raise KvevalError(f"scales file '{path}': {name} has shape {list(t.shape)}, its header says "
+                              f"{list(shapes[gran])} ({layers} layers x {heads} kv heads x head_dim {dim}); {RECALIBRATE}")
+        if not bool(torch.isfinite(t).all()):
+            raise KvevalError(f"scales file '{path}': {name} holds NaN or infinity; {RECALIBRATE}")
+        if parts[-1] == "absmax" and bool((t < 0).any()):
+            raise KvevalError(f"scales file '{path}': {name} holds a negative range; {RECALIBRATE}")
+    for name in tensors:
+        if name.endswith(".lo"):
+            hi = tensors.get(name[:-3] + ".hi")
+            if hi is not None and hi.shape == tensors[name].shape and bool((tensors[name] > hi).any()):
+                raise KvevalError(f"scales file '{path}': {name} exceeds its .hi somewhere; {RECALIBRATE}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kveval.calibration.calibrate import calibrate, calibration_slice, default_output
@@ -10,18 +11,48 @@ from kveval.errors import KvevalError
 
 def calibrate_command(config_path: str, overrides: list[str] | None = None, out: str | None = None,
                       quiet: bool = False) -> Path:
-    """``kveval calibrate``: load the config's model and corpus, calibrate, write the scales file; returns its path."""
+    """``kveval calibrate``: load the config's model and corpus, calibrate, write the scales file; returns its path.
+
+    ``out`` (``~`` expanded; default ``calibration.output`` or ``results/scales/<name>.safetensors``) is replaced
+    atomically. When it lies in a kveval run folder, that folder's lock is held meanwhile (refused, one line, while
+    a run writes there) and it must not take the name of one of the run's other files.
+    """
+    from kveval.config import load_config
+
+    cfg = load_config(config_path, overrides)
+    path = Path(os.path.expanduser(str(out))) if out else default_output(cfg)
+    with _lock_if_run_folder(path, config_path):
+        return _calibrate(cfg, path, quiet=quiet)
+
+
+def _lock_if_run_folder(path: Path, config_path: str):
+    """The lock of ``path``'s folder when that folder is a kveval run folder (a scales file written into a run
+    must not change under a run that is using it), else nothing; a scales file may not take the name of another
+    of the run's files."""
+    from contextlib import nullcontext
+
+    from kveval.results.layout import OWN_FILES, SCALES_FILE
+    from kveval.results.lock import lock_folder
+    from kveval.results.store import folder_kind
+
+    if folder_kind(path.parent) not in ("marked", "legacy"):
+        return nullcontext()
+    if path.name in OWN_FILES and path.name != SCALES_FILE:
+        raise KvevalError(f"--out {path}: {path.name} is a file of the run in {path.parent}, not a scales file; "
+                          f"give another name (a run's calibration is {SCALES_FILE})")
+    return lock_folder(path.parent, command=f"kveval calibrate {config_path}", hint="give another file with --out")
+
+
+def _calibrate(cfg, path: Path, *, quiet: bool) -> Path:
+    """Load the model and corpus, calibrate, write ``path``."""
     import sys
 
     from rich.console import Console
 
-    from kveval.config import load_config
     from kveval.data import load_tokens
     from kveval.models import load_model
     from kveval.progress import Progress
 
-    cfg = load_config(config_path, overrides)
-    path = Path(out) if out else default_output(cfg)
     console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(f"[bold]kveval calibrate[/] {cfg.name}: {cfg.model.name} on {cfg.data.source}, "
                   f"{cfg.calibration.tokens} tokens, method {cfg.calibration.method}")

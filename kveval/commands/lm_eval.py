@@ -34,6 +34,9 @@ def lm_eval_command(kv: str, model: str, dtype: str, device: str, lm_eval_args: 
     except SystemExit as exc:  # argparse errors and --help
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except ValueError as exc:  # lm-eval's bad input: "Tasks not found: ...", a bad --model_args value
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvevalError(f"lm-eval: {first}") from None
     finally:
         sys.stdout.flush()
     return 0

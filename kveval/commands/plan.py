@@ -19,7 +19,11 @@ def _slug(text: str) -> str:
 def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context: int | None = None,
                  allow_fp: bool = False, eval_tokens: int = 4096) -> str:
     """``kveval plan SCAN_DIR --budget B [--out PATH]``: write a ready-to-run config and ``<name>.plan.json``
-    beside it; print a summary; return the config's path."""
+    beside it; print a summary; return the config's path.
+
+    Bad input is one KvevalError line before anything is written: a scan whose metrics.json misses fields or holds
+    wrong ones (:func:`kveval.tasks.sensitivity.planner.check_scan`), a budget below the smallest plan, a context
+    out of range, an ``--out`` that cannot be written."""
     from kveval.results import atomic_write_json, atomic_write_text, read_config, read_metrics
 
     scan_dir = Path(scan_dir)
@@ -46,9 +50,11 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
         "plan": path.with_name(path.stem + ".plan.json").as_posix(),
         "seed": resolved.get("seed", 0),
     }
-    from kveval.config import validate  # lazy: it imports the task registry (and so transformers)
+    from kveval.config import check_writable_path, validate  # lazy: it imports the task registry
 
     validate(config, str(path))  # the written config must load
+    for target in (path, path.with_name(path.stem + ".plan.json")):  # before writing either file
+        check_writable_path(target, "--out", folder=False)
     cmd = f"kveval plan {scan_dir} --budget {p.budget.text}"
     predictions = {s: uniform_prediction(metrics, s) for s in uniform}
     header = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -16,15 +17,31 @@ from kveval.config import ExperimentConfig
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
 from kveval.progress import Progress
-from kveval.results import BASELINE, SCALES_FILE, SCALES_USED_FILE, RunDir, atomic_write_json, environment, now
+from kveval.results import (
+    BASELINE,
+    SCALES_FILE,
+    SCALES_USED_FILE,
+    RunDir,
+    atomic_write_json,
+    environment,
+    lock_folder,
+    now,
+    run_folder,
+)
+from kveval.results.store import task_prefix, tokens_digest
 
 
 @dataclass
 class RunContext:
-    """What a task gets: the config, the loaded model and data, the run folder, and a way to report progress."""
+    """What a task gets: the config, the loaded model and data, the run folder, and a way to report progress.
+
+    ``run``: inside a task's ``run``, the folder as that task entry sees it (:class:`kveval.results.TaskRecords`:
+    ``done_keys``, ``append``, ``records``, ``path``); elsewhere the :class:`kveval.results.RunDir` itself, None
+    before the folder is opened (task checks).
+    """
 
     cfg: ExperimentConfig
-    run: RunDir
+    run: Any
     model: Any
     tokenizer: Any
     policies: dict[str, KVPolicy]
@@ -32,14 +49,18 @@ class RunContext:
     console: Console
     progress: Progress
     cache: dict = field(default_factory=dict)
+    folder: RunDir | None = None
 
     def tokens(self) -> torch.Tensor:
-        """The corpus as token ids ``[n_tokens]`` (loaded once, cached on disk per tokenizer and corpus)."""
+        """The corpus as token ids ``[n_tokens]`` (loaded once, cached on disk per tokenizer and corpus). Loaded
+        after the run folder is open, they are checked against the tokens its records were computed on."""
         if "tokens" not in self.cache:
             from kveval.data import load_tokens
 
             d = self.cfg.data
             self.cache["tokens"] = load_tokens(d.source, self.tokenizer, split=d.split, text_field=d.text_field)
+            if self.folder is not None:
+                self.folder.record_tokens(tokens_digest(self.cache["tokens"]))
         return self.cache["tokens"]
 
 
@@ -64,19 +85,46 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def command_line(config_path: str | None) -> str:
+    """The command as typed, for the lock file and messages: ``kveval ARGS`` when run as the kveval program, else
+    ``kveval run CONFIG`` (library callers)."""
+    import shlex
+
+    argv = sys.argv
+    if argv and Path(str(argv[0])).name in ("kveval", "__main__.py") and len(argv) > 1:
+        return "kveval " + shlex.join(str(a) for a in argv[1:])
+    return f"kveval run {config_path}" if config_path else f"{Path(str(argv[0])).name if argv else 'python'} (library)"
+
+
 def run_experiment(
     cfg: ExperimentConfig, *, overwrite: bool = False, quiet: bool = False, config_path: str | None = None
 ) -> dict:
-    """Run every task of ``cfg`` and write the results folder; returns the aggregated metrics."""
-    from kveval.models import load_model, model_info
+    """Run every task of ``cfg`` and write the results folder; returns the aggregated metrics.
 
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    The run folder has one owner: this process holds its lock (:func:`kveval.results.lock_folder`) from the first
+    check to the end, so a second run on the same folder is refused with one line naming this one. Every check
+    (the folder, the config, the model, the tasks' inputs, scales, plan, corpus tokens) passes before the folder
+    is written, and ``overwrite`` removes kveval's own files only then (:meth:`RunDir.open`).
+    """
     runners = task_runners()
     for entry in cfg.tasks:
         if entry.kind not in runners:
             raise KvevalError(f"task '{entry.kind}' is not available in this version of kveval")
+    out_dir = run_folder(cfg.name, cfg.output)  # contained (no '..' names, '~' expanded) before anything is written
+    with lock_folder(out_dir, command=command_line(config_path)) as lock:
+        if lock.stale:
+            print(f"kveval: note: {out_dir} was locked by a process that ended without releasing it "
+                  f"(pid {lock.stale.get('pid')} on {lock.stale.get('host')}); taking it over", file=sys.stderr)
+        return _run_locked(cfg, out_dir, runners, overwrite=overwrite, quiet=quiet, config_path=config_path)
+
+
+def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrite: bool, quiet: bool,
+                config_path: str | None) -> dict:
+    """The body of :func:`run_experiment`, with the folder's lock held."""
+    from kveval.models import load_model, model_info
+
+    console = Console(width=None if sys.stdout.isatty() else 140)
     policies = cfg.policies()
-    out_dir = cfg.output_dir()
     RunDir.check(out_dir, cfg.resolved(), overwrite=overwrite)  # before any slow work, and before any write
 
     seed_everything(cfg.seed)
@@ -98,13 +146,24 @@ def run_experiment(
         if check is not None:
             check(ctx, entry.params)
     scales_used = check_scales(ctx)
-    check_scales_unchanged(out_dir, scales_used, overwrite=overwrite)
+    reset = check_scales_unchanged(out_dir, scales_used, overwrite=overwrite)
     plan = read_plan(cfg.plan)
+    replace = RunDir.check(out_dir, cfg.resolved(), overwrite=overwrite) or reset
+    digest = tokens_digest(ctx.cache["tokens"]) if "tokens" in ctx.cache else None
+    if digest is not None and not replace:
+        try:
+            RunDir.check_tokens(out_dir, digest)
+        except KvevalError:
+            if not overwrite:
+                raise
+            reset = True  # --overwrite: start afresh on the new tokens
 
-    run = ctx.run = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite)
+    # every check has passed: the first write (overwrite removes kveval's own files only now)
+    run = ctx.run = ctx.folder = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite, reset=reset)
+    if digest is not None:
+        run.record_tokens(digest)
     if scales_used:
         atomic_write_json(run.path / SCALES_USED_FILE, scales_used)
-    run.repair()
     resolve_auto_scales(ctx)
     started = now()
     env = environment(cfg.model.device)
@@ -112,8 +171,22 @@ def run_experiment(
     env["command"] = f"kveval run {config_path}" if config_path else None
     run.write_env(env, started=started)
     metrics: dict = {"run": cfg.name, "model": cfg.model.name, BASELINE: {}, "policies": {n: {} for n in policies}}
-    for entry in cfg.tasks:
-        merge(metrics, runners[entry.kind].run(ctx, entry.params))
+    kinds = [entry.kind for entry in cfg.tasks]
+    for i, entry in enumerate(cfg.tasks):
+        view = ctx.run = run.task_view(task_prefix(kinds, i))  # the task sees its own records only
+        try:
+            merge(metrics, runners[entry.kind].run(ctx, entry.params))
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            if not view.resumed:  # nothing read back from the folder: a bug, shown in full
+                raise
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise KvevalError(
+                f"tasks[{i}] ({entry.kind}) cannot use the records it resumed from in {run.records_path} "
+                f"({type(exc).__name__}: {first}): a record was edited or written by another version; rerun with "
+                "--overwrite to start afresh"
+            ) from None
+        finally:
+            ctx.run = run
     merge(metrics, memory_fields(ctx))
     if plan is not None:
         metrics["plan"] = plan
@@ -127,25 +200,24 @@ def run_experiment(
     return metrics
 
 
-def check_scales_unchanged(out_dir, scales_used: dict, *, overwrite: bool) -> None:
+def check_scales_unchanged(out_dir, scales_used: dict, *, overwrite: bool) -> bool:
     """A resumed run whose ``scales: FILE`` changed since its records were written would mix two calibrations:
-    refuse it (or, with ``overwrite``, start the folder afresh)."""
+    refuse it, or with ``overwrite`` return True (start the folder afresh; :meth:`RunDir.open` does it once every
+    check has passed). Reads only."""
     import json
-    import shutil
 
     path = Path(out_dir) / SCALES_USED_FILE
-    if not path.is_file():
-        return
+    if not os.path.lexists(path):
+        return False
     try:
-        before = json.loads(path.read_text())
-    except ValueError:
+        before = json.loads(path.read_text()) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError):
         before = None
     changed = [n for n, h in scales_used.items() if isinstance(before, dict) and before.get(n, h) != h]
     if not changed and isinstance(before, dict):
-        return
+        return False
     if overwrite:
-        shutil.rmtree(out_dir)
-        return
+        return True
     what = f"policy '{changed[0]}': its scales file" if changed else "the record of the scales files"
     raise KvevalError(f"{out_dir}: {what} changed since this run's records were written; rerun with --overwrite "
                       "to start afresh, or set output: to another folder")

@@ -9,7 +9,9 @@ def scan_command(config_path: str, overrides: list[str] | None = None, naive: bo
                  overwrite: bool = False, quiet: bool = False) -> dict:
     """``kveval scan CONFIG``: run a config holding a ``sensitivity`` task; returns the metrics.
 
-    ``naive``: the same scan without prefix reuse (for checking), written to ``<output>-naive``.
+    ``naive``: the same scan without prefix reuse (for checking), written to ``<output>-naive``. The folder is
+    a run folder like any other (:func:`kveval.commands.run.run_experiment`: one owner at a time, checks before
+    any write).
     """
     from kveval.commands.run import run_experiment
     from kveval.config import load_config
@@ -20,7 +22,9 @@ def scan_command(config_path: str, overrides: list[str] | None = None, naive: bo
     if not indices:
         raise KvevalError(f"{config_path}: no 'sensitivity' task; kveval scan needs one (see configs/layer_scan.yaml)")
     if naive:
+        from kveval.results.layout import run_folder
+
         extra = [f"tasks[{i}].sensitivity.naive=true" for i in indices]
-        extra.append(f"output={cfg.output_dir()}-naive")
+        extra.append(f"output={run_folder(cfg.name, cfg.output)}-naive")  # contained, '~' expanded
         cfg = load_config(config_path, overrides + extra)
     return run_experiment(cfg, overwrite=overwrite, quiet=quiet, config_path=str(config_path))

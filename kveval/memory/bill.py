@@ -13,12 +13,16 @@ tokens of ``batch`` sequences (K/V tensors ``[batch, kv_heads, n, head_dim]``):
 
 * ``sinks = min(sink_tokens, n)`` and the residual window (tokens not yet quantized) in full precision,
   ``fp_bytes`` per element (default 2, FP16). A tensor whose spec is ``none`` is full precision for all ``n``.
-* the quantized middle ``[sink_tokens, end)`` with ``end = policy.quantized_block_end(n)``: sliding mode
-  ``max(n - R, S)``; block mode ``S + floor((n - S) / R) * R`` (only complete blocks are quantized).
+* the quantized middle ``[sink_tokens, end)`` with ``end = policy.quantized_block_end(n, kind, prompt)``, per
+  tensor (keys and values may follow different schedules: KIVI): sliding modes ``max(n - R, S)``; block mode
+  ``S + floor((n - S) / R) * R`` (only complete blocks are quantized); transformers' ``prompt_block``: the prompt,
+  then complete blocks counted from its end (``prompt``: the tokens the first call stored; default ``n``, a cache
+  filled by one prompt).
   Codes are ``spec.fmt.row_nbytes(spec, head_dim)`` bytes per token row, as the format packs them (INT b:
   ``ceil(head_dim * b / 8)``, FP8 1 byte per element); scales and zero points in their storage dtype per
   statistics group: token (per token and head), group (per ``group_size`` of head_dim), channel (per channel and
-  head per block of ``R`` tokens, amortised; with calibrated scales one per channel and head per layer), head /
+  head per block of ``R`` tokens, or per group of the spec's ``group_size`` tokens: KIVI's keys, one scale and min
+  per channel per 32 tokens; with calibrated scales one per channel and head per layer), head /
   tensor (static: one per head / one per layer and tensor, whatever the batch and context). Outliers
   (``spec.outliers``) are counted with the scales: ``k`` values per token row in ``fp_bytes`` plus a 1-byte index
   each.
@@ -186,8 +190,9 @@ class Bill:
     """The bytes of a KV cache holding ``context`` tokens of ``batch`` sequences.
 
     ``total = codes + scales + residual``; ``key`` / ``value`` split the sums by tensor; ``per_layer[i]`` is
-    ``(key Part, value Part)`` of layer i; ``quantized_tokens`` / ``fp_tokens`` are per sequence, for a layer
-    whose specs quantize (sinks + residual window are ``fp_tokens``).
+    ``(key Part, value Part)`` of layer i; ``quantized_tokens`` / ``fp_tokens`` are per sequence, for the keys of
+    a layer whose specs quantize (sinks + residual window are ``fp_tokens``); ``value_tokens`` is the values'
+    ``(fp_tokens, quantized_tokens)`` (the same split unless keys and values follow different schedules).
     """
 
     policy: str
@@ -199,6 +204,7 @@ class Bill:
     quantized_tokens: int
     fp_tokens: int
     elements: int  # K and V elements held (2 * layers * batch * kv_heads * context * head_dim)
+    value_tokens: tuple[int, int] = (0, 0)
 
     @property
     def codes(self) -> int:
@@ -241,19 +247,22 @@ def as_policy(policy: KVPolicy | str) -> KVPolicy:
     raise KvevalError(f"expected a KV policy or a preset name; got {policy!r}")
 
 
-def token_split(policy: KVPolicy, n: int) -> tuple[int, int]:
-    """(full-precision tokens, quantized tokens) of one sequence after ``n`` tokens are stored, exactly as the real
-    cache splits them: sinks ``min(S, n)``, quantized ``[S, min(quantized_block_end(n), n))``, the rest residual."""
-    end = min(policy.quantized_block_end(n), n)
+def token_split(policy: KVPolicy, n: int, kind: str = "key", prompt: int | None = None) -> tuple[int, int]:
+    """(full-precision tokens, quantized tokens) of ``kind`` in one sequence after ``n`` tokens are stored, the first
+    call having stored ``prompt`` of them (default ``n``), exactly as the real cache splits them: sinks
+    ``min(S, n)``, quantized ``[S, min(quantized_block_end(n), n))``, the rest residual."""
+    p = n if prompt is None else min(max(prompt, 1), n)
+    end = min(policy.quantized_block_end(n, kind, p), n)
     quantized = max(end - policy.sink_tokens, 0)
     return n - quantized, quantized
 
 
-def _tensor_part(spec: QuantSpec, policy: KVPolicy, arch: Arch, batch: int, n: int, fp_bytes: int) -> Part:
+def _tensor_part(spec: QuantSpec, policy: KVPolicy, arch: Arch, batch: int, n: int, fp_bytes: int, kind: str,
+                 prompt: int | None) -> Part:
     B, H, D = batch, arch.kv_heads, arch.head_dim
     if spec.is_none:
         return Part(residual=B * H * n * D * fp_bytes)
-    n_fp, n_q = token_split(policy, n)
+    n_fp, n_q = token_split(policy, n, kind, prompt)
     residual = B * H * n_fp * D * fp_bytes
     if n_q == 0:
         return Part(residual=residual)
@@ -271,12 +280,14 @@ def _check_sizes(context: Any, batch: Any, fp_bytes: Any) -> None:
         raise KvevalError(f"fp_bytes must be one of {sorted(_FP_DTYPES)}; got {fp_bytes}")
 
 
-def kv_bytes(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1, fp_bytes: int = FP16_BYTES) -> Bill:
+def kv_bytes(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1, fp_bytes: int = FP16_BYTES,
+             prompt: int | None = None) -> Bill:
     """The bill of ``batch`` sequences of ``context`` tokens under ``policy`` (a KVPolicy or a preset name).
 
     ``fp_bytes``: bytes per full-precision element (residual window, sinks, ``none`` specs): 2 for FP16/BF16
-    serving, 4 for a float32 model. Raises KvevalError for sizes <= 0 or a group size that does not divide
-    head_dim.
+    serving, 4 for a float32 model; a ``model`` scale dtype takes the same size. ``prompt``: the tokens the first
+    call stored (default ``context``: one prompt filled the cache); only transformers' ``prompt_block`` schedule
+    depends on it. Raises KvevalError for sizes <= 0 or a group size that does not divide head_dim.
     """
     _check_sizes(context, batch, fp_bytes)
     pol = as_policy(policy)
@@ -285,14 +296,15 @@ def kv_bytes(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1, f
     key = value = Part()
     for i in range(arch.layers):
         ks, vs = pol.specs_for_layer(i, arch.layers)
-        k = _tensor_part(ks, pol, arch, batch, context, fp_bytes)
-        v = _tensor_part(vs, pol, arch, batch, context, fp_bytes)
+        k = _tensor_part(ks, pol, arch, batch, context, fp_bytes, "key", prompt)
+        v = _tensor_part(vs, pol, arch, batch, context, fp_bytes, "value", prompt)
         per_layer.append((k, v))
         key, value = key + k, value + v
-    n_fp, n_q = token_split(pol, context)
+    n_fp, n_q = token_split(pol, context, "key", prompt)
     return Bill(policy=pol.name, context=context, batch=batch, key=key, value=value, per_layer=tuple(per_layer),
                 quantized_tokens=n_q, fp_tokens=n_fp,
-                elements=2 * arch.layers * batch * arch.kv_heads * context * arch.head_dim)
+                elements=2 * arch.layers * batch * arch.kv_heads * context * arch.head_dim,
+                value_tokens=token_split(pol, context, "value", prompt))
 
 
 def fp16_bytes(arch: Arch, context: int, batch: int = 1) -> int:

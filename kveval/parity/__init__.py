@@ -20,6 +20,9 @@ import torch
 from kveval.stats import compare_logits
 
 SYSTEMS: dict[str, str] = {}
+SYSTEMS["llamacpp"] = "kveval.parity.llamacpp"
+SYSTEMS["hf_quanto"] = "kveval.parity.hf_quanto"
+SYSTEMS["kivi"] = "kveval.parity.kivi"
 
 
 @dataclass

@@ -9,9 +9,11 @@ Usage::
     cache = QuantizedKVCache(model, KVPolicy.preset("int4_g64"))
     out = model.generate(ids, past_key_values=cache, max_new_tokens=20)
 
-Semantics (the same as ``emulate``; ``kveval.policy.masks``): a token is quantized when it leaves the residual
-window (``sliding``: stored, then read) or after the call that completes its block of ``residual`` tokens
-(``block``: read, then flushed); sinks never are. A call that brings more than one token (the prefill) answers,
+Semantics (the same as ``emulate``; ``kveval.policy.masks``, per tensor: keys and values may follow different
+schedules): a token is quantized when it leaves the residual window (``sliding``: stored, then read;
+``sliding_lag``: read, then moved), after the call that completes its block of ``residual`` tokens (``block``:
+read, then flushed), or, for transformers' schedule (``prompt_block``), at the end of the first call for the
+prompt and then in blocks counted from the prompt end; sinks never are. A call that brings more than one token (the prefill) answers,
 with ``prefill: fp``, the new tokens in full precision (what serving engines do); with ``prefill: quantized`` and
 for single-token decode steps it answers what it holds under that schedule.
 
@@ -101,24 +103,34 @@ class StoredChunk:
 
 
 class QuantizedKVLayer(DynamicLayer):
-    """One layer's quantized cache. Tensors are ``[batch, kv_heads, seq, head_dim]``."""
+    """One layer's quantized cache. Tensors are ``[batch, kv_heads, seq, head_dim]``.
+
+    Keys and values each have their residual window, quantized end and chunks, so that they can follow different
+    schedules (``KVPolicy.schedule``: KIVI quantizes keys in blocks and values in a sliding window); the sink tokens
+    are shared. ``prompt`` is the number of tokens the first call stored (transformers' schedule counts its blocks
+    from there).
+    """
 
     def __init__(self, key_q: TensorQuantizer, value_q: TensorQuantizer, policy: KVPolicy, is_sliding: bool = False,
                  module: torch.nn.Module | None = None, implementation: str | None = None):
         super().__init__()
         self.key_q, self.value_q, self.policy = key_q, value_q, policy
         self.key_spec, self.value_spec = key_q.spec, value_q.spec
+        self.sched_k, self.sched_v = policy.schedule("key"), policy.schedule("value")
         self.is_sliding = is_sliding
         self.module = module  # the attention module, whose rotary embedding transforms such as pre_rope need
         # the stock attention implementation this layer's ``attend`` wraps; None: no query/output hooks to apply
         self.implementation = implementation
         self.needs_rope = key_q.needs_rope or value_q.needs_rope
         self.n_stored = 0
-        self.q_end = policy.sink_tokens  # tokens [sink_tokens, q_end) are quantized
+        self.prompt: int | None = None  # tokens stored by the first call
+        # keys (values): tokens [sink_tokens, q_end_k) are quantized, [q_end_k, n_stored) are in res_k
+        self.q_end_k = self.q_end_v = policy.sink_tokens
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
         # (cos, sin) [batch, tokens, head_dim] of the sink and residual tokens (only when a transform needs_rope)
         self.sink_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.res_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.res_rope_k: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.res_rope_v: tuple[torch.Tensor, torch.Tensor] | None = None
         self.chunks_k: list[StoredChunk] = []  # at most one chunk each: new tokens are merged into it
         self.chunks_v: list[StoredChunk] = []
 
@@ -130,16 +142,19 @@ class QuantizedKVLayer(DynamicLayer):
         self.keys, self.values = empty_k, empty_v  # transformers reads dtype/device from these
         self.is_initialized = True
 
+    def _read_one(self, kind: str) -> torch.Tensor:
+        """Everything held of ``kind`` (``"key"``/``"value"``), as attention reads it: full-precision sinks and
+        residual through ``TensorQuantizer.full_precision`` (themselves unless a transform keeps the tensor in its
+        domain), chunks as read back."""
+        if kind == "key":
+            q, sink, res, res_rope, chunks = self.key_q, self.sink_k, self.res_k, self.res_rope_k, self.chunks_k
+        else:
+            q, sink, res, res_rope, chunks = self.value_q, self.sink_v, self.res_v, self.res_rope_v, self.chunks_v
+        return torch.cat([q.full_precision(sink, self.sink_rope), *[c.read() for c in chunks],
+                          q.full_precision(res, res_rope)], dim=-2)
+
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything held, as attention reads it: full-precision sinks and residual through
-        ``TensorQuantizer.full_precision`` (themselves unless a transform keeps K/V in its domain), chunks as
-        read back."""
-        kq, vq = self.key_q, self.value_q
-        sink_k, res_k = kq.full_precision(self.sink_k, self.sink_rope), kq.full_precision(self.res_k, self.res_rope)
-        sink_v, res_v = vq.full_precision(self.sink_v, self.sink_rope), vq.full_precision(self.res_v, self.res_rope)
-        keys = torch.cat([sink_k, *[c.read() for c in self.chunks_k], res_k], dim=-2)
-        values = torch.cat([sink_v, *[c.read() for c in self.chunks_v], res_v], dim=-2)
-        return keys, values
+        return self._read_one("key"), self._read_one("value")
 
     def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
         """The attention call while this layer's cache is in use (``kveval.patch.attention.patched_while_passed``,
@@ -162,7 +177,7 @@ class QuantizedKVLayer(DynamicLayer):
         prefill_fp = self.policy.prefill == "fp" and n_new > 1
         before = self._read() if prefill_fp and self.n_stored > 0 else None
 
-        # sinks first, the rest into the residual
+        # sinks first, the rest into the residuals
         room = max(self.policy.sink_tokens - self.sink_k.shape[-2], 0)
         take = min(room, n_new)
         if take:
@@ -174,14 +189,20 @@ class QuantizedKVLayer(DynamicLayer):
         if new_rope is not None:
             cos, sin = new_rope
             self.sink_rope = self._append_rope(self.sink_rope, (cos[:, :take], sin[:, :take]))
-            self.res_rope = self._append_rope(self.res_rope, (cos[:, take:], sin[:, take:]))
+            self.res_rope_k = self._append_rope(self.res_rope_k, (cos[:, take:], sin[:, take:]))
+            self.res_rope_v = self._append_rope(self.res_rope_v, (cos[:, take:], sin[:, take:]))
         self.n_stored += n_new
+        if self.prompt is None:
+            self.prompt = self.n_stored
 
-        # the schedule of kveval.policy.masks.read_quantized_end: sliding mode stores then reads; block mode reads,
-        # then quantizes the blocks this call completed (its queries saw them in full precision)
-        read_first = self.policy.residual_mode == "block" and not prefill_fp
-        out = self._read() if read_first else None
-        self._flush()
+        # the schedule of kveval.policy.masks (Schedule.read_quantized_end), per tensor: sliding mode stores then
+        # reads; the other modes read, then quantize what this call completed (its queries saw it in full precision)
+        out: list[torch.Tensor | None] = []
+        for kind, sched in (("key", self.sched_k), ("value", self.sched_v)):
+            read_first = sched.reads_first and not prefill_fp
+            early = self._read_one(kind) if read_first else None
+            self._flush(kind)
+            out.append(early if early is not None or prefill_fp else self._read_one(kind))
 
         if prefill_fp:
             key_states = self.key_q.full_precision(key_states, new_rope)
@@ -189,39 +210,50 @@ class QuantizedKVLayer(DynamicLayer):
             if before is None:
                 return key_states, value_states
             return torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
-        return out if out is not None else self._read()
+        return out[0], out[1]
 
-    def _flush(self) -> None:
-        """Move the tokens that have left the residual (``masks.quantized_end``) into quantized storage."""
-        end = min(self.policy.quantized_block_end(self.n_stored), self.n_stored)
-        if end <= self.q_end:
+    def _flush(self, kind: str) -> None:
+        """Move the tokens of ``kind`` that have left its residual (``Schedule.quantized_end``) into quantized
+        storage."""
+        sched = self.sched_k if kind == "key" else self.sched_v
+        q_end = self.q_end_k if kind == "key" else self.q_end_v
+        end = min(sched.quantized_end(self.n_stored, self.prompt or 1), self.n_stored)
+        if end <= q_end:
             return
-        move = end - self.q_end
-        block = self.policy.residual if self.policy.residual_mode == "block" else None
-        rope = None if self.res_rope is None else (self.res_rope[0][:, :move], self.res_rope[1][:, :move])
-        self._store(self.res_k[:, :, :move], self.res_v[:, :, :move], block, rope)
-        self.res_k, self.res_v = self.res_k[:, :, move:], self.res_v[:, :, move:]
-        if self.res_rope is not None:
-            self.res_rope = (self.res_rope[0][:, move:], self.res_rope[1][:, move:])
-        self.q_end = end
+        move = end - q_end
+        block = sched.residual if sched.blocks else None
+        if kind == "key":
+            res, res_rope = self.res_k, self.res_rope_k
+        else:
+            res, res_rope = self.res_v, self.res_rope_v
+        rope = None if res_rope is None else (res_rope[0][:, :move], res_rope[1][:, :move])
+        rest_rope = None if res_rope is None else (res_rope[0][:, move:], res_rope[1][:, move:])
+        if kind == "key":
+            self._store(res[:, :, :move], self.key_q, self.chunks_k, block, rope)
+            self.res_k, self.res_rope_k, self.q_end_k = res[:, :, move:], rest_rope, end
+        else:
+            self._store(res[:, :, :move], self.value_q, self.chunks_v, block, rope)
+            self.res_v, self.res_rope_v, self.q_end_v = res[:, :, move:], rest_rope, end
 
     @staticmethod
     def _append_rope(old: tuple[torch.Tensor, torch.Tensor] | None,
                      new: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return new if old is None else (torch.cat([old[0], new[0]], dim=1), torch.cat([old[1], new[1]], dim=1))
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, block: int | None, rope=None) -> None:
-        for x, q, chunks in ((k, self.key_q, self.chunks_k), (v, self.value_q, self.chunks_v)):
-            r = rope if q.needs_rope else None
-            if q.is_none:
-                # a layer that keeps this tensor in full precision stores it as a plain chunk (as attention reads it)
-                new = _FullPrecisionChunk(q.full_precision(x, r).clone())
-            else:
-                new = StoredChunk.store(x, q, block if q.spec.granularity == "channel" else None, r)
-            if chunks:
-                chunks[0] = chunks[0].extend(new)
-            else:
-                chunks.append(new)
+    @staticmethod
+    def _store(x: torch.Tensor, q: TensorQuantizer, chunks: list, block: int | None, rope=None) -> None:
+        """Quantize and pack x ``[batch, kv_heads, n, head_dim]`` (``block``: the channel block of a per-channel
+        spec) and append it to ``chunks``."""
+        r = rope if q.needs_rope else None
+        if q.is_none:
+            # a layer that keeps this tensor in full precision stores it as a plain chunk (as attention reads it)
+            new = _FullPrecisionChunk(q.full_precision(x, r).clone())
+        else:
+            new = StoredChunk.store(x, q, block if q.spec.granularity == "channel" else None, r)
+        if chunks:
+            chunks[0] = chunks[0].extend(new)
+        else:
+            chunks.append(new)
 
     def get_seq_length(self) -> int:
         return self.n_stored
@@ -234,7 +266,7 @@ class QuantizedKVLayer(DynamicLayer):
 
     def nbytes(self) -> dict:
         """Bytes held: ``codes`` (packed), ``scales`` (scales and zero points), ``residual`` (full-precision tokens:
-        sinks, residual window, and tensors whose spec is ``none``)."""
+        sinks, residual windows, and tensors whose spec is ``none``)."""
         out = {"codes": 0, "scales": 0, "residual": 0}
         if not self.is_initialized:
             return {**out, "total": 0}

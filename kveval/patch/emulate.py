@@ -15,6 +15,13 @@ no FP prefill) it is one call over ``k̂`` alone. With ``prefill: fp`` and a pro
 queries see only full-precision keys: they run as a plain attention over the prompt, and only the T - P decoded
 queries attend over ``[k ; k̂]``.
 
+When keys and values follow different schedules (KIVI: keys in blocks, values in a sliding window), a query may
+read a token's key in full precision and its value quantized, or the reverse. Attention then runs over
+``[k ; k̂ ; k ; k̂]`` with values ``[v ; v ; v̂ ; v̂]`` and the masks ``[Mk ∧ Mv, ¬Mk ∧ Mv, Mk ∧ ¬Mv, ¬Mk ∧ ¬Mv]``
+(each ∧ causal): again exactly one (key, value) pair per visible token. Parts that no query selects are dropped
+(for KIVI, a key read in full precision always comes with its value in full precision: 3T keys); when the two
+masks agree on every visible pair, the two-part path above runs unchanged.
+
 K/V transforms (``kveval.transforms``, through ``TensorQuantizer``): ``k̂`` is ``key_out(Q(key_in(k)))`` and ``k``
 stands for the full-precision key as attention reads it (``TensorQuantizer.full_precision``: ``k`` itself unless a
 transform keeps keys in its domain); the query goes through the query hooks and the attention output through the
@@ -36,29 +43,31 @@ from kveval.patch.diagnostics import TensorErrorStats
 from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, policy_scales
 from kveval.patch.rope_capture import rope_for, track_rope
 from kveval.policy import KVPolicy
+from kveval.policy.masks import Schedule
 from kveval.quant import QuantSpec
 
 
-def quantized_version(x: torch.Tensor, quantizer: TensorQuantizer, policy: KVPolicy, rope=None,
-                      fp: torch.Tensor | None = None) -> torch.Tensor:
+def quantized_version(x: torch.Tensor, quantizer: TensorQuantizer, schedule: Schedule, rope=None,
+                      fp: torch.Tensor | None = None, prompt: int = 1) -> torch.Tensor:
     """The quantized version ``x̂`` of every token that the real cache would ever quantize, as attention reads it.
 
-    x: ``[batch, kv_heads, T, head_dim]``; ``rope = (cos, sin)`` ``[batch, T, head_dim]`` when the quantizer's
-    transforms need it (pre-RoPE keys). ``fp``: x as attention reads it in full precision
-    (``quantizer.full_precision(x)``; default x). Sink tokens and, in block mode, the tokens of the last
+    x: ``[batch, kv_heads, T, head_dim]``; ``schedule``: this tensor's (``KVPolicy.schedule(kind)``); ``prompt``:
+    the tokens of the first call (``max(prefill_len, 1)``); ``rope = (cos, sin)`` ``[batch, T, head_dim]`` when the
+    quantizer's transforms need it (pre-RoPE keys). ``fp``: x as attention reads it in full precision
+    (``quantizer.full_precision(x)``; default x). Sink tokens and, in the block modes, the tokens of the last
     incomplete block are never quantized; they are returned as ``fp`` (the mask never selects their quantized
-    version). Per-channel specs without calibrated scales take statistics over each block of ``policy.residual``
-    tokens after the sinks.
+    version). Per-channel specs without calibrated scales take statistics over each block of ``residual`` tokens
+    after the sinks (or over groups of the spec's ``group_size`` tokens inside them).
     """
     fp = x if fp is None else fp
     if quantizer.is_none:
         return fp
     T = x.shape[-2]
-    start = min(policy.sink_tokens, T)
-    end = policy.quantized_block_end(T) if policy.residual_mode == "block" else T
+    start = min(schedule.sink_tokens, T)
+    end = min(schedule.quantized_end(T, prompt), T) if schedule.blocks else T
     if end <= start:
         return fp
-    block = policy.residual if quantizer.spec.granularity == "channel" else None
+    block = schedule.residual if quantizer.spec.granularity == "channel" else None
     part = None if rope is None else (rope[0][:, start:end], rope[1][:, start:end])
     region = quantizer.fake(x[:, :, start:end], block, part)
     if start == 0 and end == T:
@@ -99,13 +108,20 @@ class LayerEmulation:
         """Whether a transform acts on this layer's attention although nothing is quantized (a domain or a hook)."""
         return any(q.reads_transformed or q.hooks_attention for q in (self.key_q, self.value_q))
 
-    def visibility(self, T: int, device) -> torch.Tensor:
-        """``M [T, T]``: True where query t sees token j (<= t) in full precision; cached per length."""
+    def visibility(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(Mk, Mv)``, each ``[T, T]``: True where query t sees token j's key (value) in full precision, False for
+        ``j > t``; ``Mv`` is None when it equals ``Mk`` (one schedule, or two that agree on every visible pair).
+        Cached per length."""
         key = (T, str(device))
         if key not in self.mask_cache:
             self.mask_cache.clear()
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            self.mask_cache[key] = self.policy.full_precision_mask(T, T, self.prefill_len, device=device) & causal
+            pol, P = self.policy, self.prefill_len
+            fp_k = pol.full_precision_mask(T, T, P, device=device, kind="key") & causal
+            fp_v = pol.full_precision_mask(T, T, P, device=device, kind="value") & causal if pol.split_modes else None
+            if fp_v is not None and torch.equal(fp_k, fp_v):
+                fp_v = None
+            self.mask_cache[key] = (fp_k, fp_v)
         return self.mask_cache[key]
 
     def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
@@ -133,15 +149,16 @@ class LayerEmulation:
         """Attention of ``query`` (after the query hooks) over the full-precision (``key_fp``, ``value_fp``: as
         attention reads them) and quantized versions of the model's ``key``/``value``; (output, weights)."""
         T = key.shape[-2]
-        k_hat = quantized_version(key, self.key_q, self.policy, rope, key_fp)
-        v_hat = quantized_version(value, self.value_q, self.policy, rope, value_fp)
+        pol, prompt = self.policy, max(self.prefill_len, 1)
+        k_hat = quantized_version(key, self.key_q, pol.schedule("key"), rope, key_fp, prompt)
+        v_hat = quantized_version(value, self.value_q, pol.schedule("value"), rope, value_fp, prompt)
         key, value = key_fp, value_fp
         if self.diagnostics:
             self.key_stats.update(key, k_hat)
             self.value_stats.update(value, v_hat)
         if not self.policy.has_full_precision_tokens(self.prefill_len):
             return stock(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
-        fp = self.visibility(T, key.device)
+        fp, fp_v = self.visibility(T, key.device)
         # with an FP prefill, the P prompt queries see only full-precision keys: they run the model's own attention
         # over the prompt (its mask, or none: causal) and only the decoded queries attend over [k ; k̂]
         P = self.prefill_len if self.policy.prefill == "fp" and self.prefill_len < T else 0
@@ -150,10 +167,18 @@ class LayerEmulation:
             out_p, _ = stock(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)
         rows = None if attention_mask is None else attention_mask[..., P:, :]
         allowed = attn.allowed_mask(rows, T - P, T, key.device)  # [.., T - P, T]
-        mask = torch.cat([allowed & fp[P:], allowed & ~fp[P:]], dim=-1)
+        if fp_v is None:
+            parts = [(key, value, fp[P:]), (k_hat, v_hat, ~fp[P:])]
+        else:  # keys and values read on different schedules: one part per (key version, value version)
+            mk, mv = fp[P:], fp_v[P:]
+            parts = [(key, value, mk & mv), (k_hat, value, ~mk & mv), (key, v_hat, mk & ~mv),
+                     (k_hat, v_hat, ~mk & ~mv)]
+            causal = torch.ones(T, T, dtype=torch.bool, device=key.device).tril()[P:]
+            parts = [p for p in parts if bool((p[2] & causal).any())]
+        mask = torch.cat([allowed & m for _, _, m in parts], dim=-1)
         mask = attn.inner_mask(mask, self.implementation, query.dtype)
-        keys = torch.cat([key, k_hat], dim=-2)
-        values = torch.cat([value, v_hat], dim=-2)
+        keys = torch.cat([k for k, _, _ in parts], dim=-2)
+        values = torch.cat([v for _, v, _ in parts], dim=-2)
         out = stock(module, query[:, :, P:], keys, values, mask, *args, **kwargs)
         if not P:
             return out

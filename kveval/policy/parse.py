@@ -6,6 +6,7 @@ Accepted (a config's ``kv: {policies: {NAME: ...}}`` entry, or a preset's config
     {preset: kivi2, residual: 64}                # a preset with fields replaced
     {key: int4_g64, value: int8, residual: 128, residual_mode: sliding, sink_tokens: 4, prefill: fp,
      scales: auto, pre_rope: true, layers: {"0-1": {spec: int8}, "last 2": {key: int8}}}
+    {key: int2_channel, value: int2_g32, residual: 128, residual_mode: {key: block, value: sliding_lag}}
     {spec: int4_g64, transforms: [pre_rope, {name: NAME, PARAM: VALUE}]}   # K/V transforms, in order
 
 A spec is a QuantSpec preset name or a mapping of QuantSpec fields (``{preset: int4_channel, outliers: 0.01}``).
@@ -62,9 +63,18 @@ def policy_fields(cfg: dict, where: str) -> dict[str, Any]:
             if not isinstance(cfg[key], int) or isinstance(cfg[key], bool):
                 raise KvevalError(f"{where}.{key}: expected an integer, got {cfg[key]!r}")
             fields[key] = cfg[key]
-    for key in ("residual_mode", "prefill"):
-        if key in cfg:
-            fields[key] = str(cfg[key])
+    if "residual_mode" in cfg:
+        mode = cfg["residual_mode"]
+        if isinstance(mode, dict):
+            unknown = [k for k in mode if k not in ("key", "value")]
+            if unknown or len(mode) != 2:
+                raise KvevalError(f"{where}.residual_mode: a mapping needs exactly the keys 'key' and 'value'; "
+                                  f"got {sorted(map(str, mode))}")
+            fields["residual_mode"] = (str(mode["key"]), str(mode["value"]))
+        else:
+            fields["residual_mode"] = str(mode)
+    if "prefill" in cfg:
+        fields["prefill"] = str(cfg["prefill"])
     if "scales" in cfg:
         if cfg["scales"] is not None and not isinstance(cfg["scales"], str):
             raise KvevalError(f"{where}.scales: expected a scales file path or 'auto', got {cfg['scales']!r}")

@@ -11,10 +11,16 @@ Semantics of the windows, for a query decoded at position ``t`` (the cache then 
 * ``sink_tokens = S``: tokens ``j < S`` are always full precision (StreamingLLM attention sinks).
 * ``residual_mode = "sliding"``, ``residual = R``: the ``R`` most recent tokens (``j > t - R``) are full precision;
   a token is quantized when it leaves the window. ``R = 0``: every token is quantized as soon as it is stored.
-* ``residual_mode = "block"`` (KIVI, transformers' QuantizedCache): tokens after the sinks wait in full precision
-  until ``R`` of them have accumulated; the query that completes a block still reads it in full precision, and the
-  block is quantized after that step (read, then flush). Per-channel statistics are taken over such a block, so
-  they never use tokens after the query.
+* ``residual_mode = "sliding_lag"`` (KIVI's values): as sliding, but a step reads before the oldest token leaves
+  the window: a query reads the ``R + 1`` newest tokens in full precision (its own included).
+* ``residual_mode = "block"`` (KIVI's keys): tokens after the sinks wait in full precision until ``R`` of them have
+  accumulated; the query that completes a block still reads it in full precision, and the block is quantized after
+  that step (read, then flush). Per-channel statistics are taken over such a block (or over groups of
+  ``group_size`` tokens inside it), so they never use tokens after the query.
+* ``residual_mode = "prompt_block"`` (transformers' QuantizedCache): the prompt is read in full precision and
+  quantized at the end of its call; then blocks of ``R`` tokens counted from the prompt end, as ``block``.
+* ``residual_mode = {key: MODE, value: MODE}``: keys and values follow different schedules (KIVI: keys ``block``,
+  values ``sliding_lag``), with the same ``residual`` and ``sink_tokens``.
 * ``prefill = "fp"``: queries of the prompt (the first ``prefill_len`` positions) attend to the prompt in full
   precision, as serving engines do; the prompt is stored quantized for the decode steps that follow.
   ``prefill = "quantized"``: the prompt queries attend to the cache as the prefill call reads it (sliding: after
@@ -40,13 +46,14 @@ import torch
 
 from kveval.errors import KvevalError, did_you_mean
 from kveval.policy import masks
+from kveval.policy.masks import RESIDUAL_MODES, Schedule
 from kveval.policy.parse import policy_fields
 from kveval.policy.presets import POLICY_PRESETS, policy_names
 from kveval.policy.selectors import layers_of
 from kveval.quant import QuantSpec, preset, preset_names
 from kveval.transforms import KVTransform, PreRope, check_sequence, parse_transforms
 
-RESIDUAL_MODES = ("sliding", "block")
+KINDS = ("key", "value")
 PREFILL_MODES = ("fp", "quantized")
 AUTO_SCALES = "auto"
 
@@ -73,7 +80,9 @@ class KVPolicy:
     value: QuantSpec = field(default_factory=lambda: QuantSpec(format="none"))
     layers: tuple[LayerOverride, ...] = ()
     residual: int = 0
-    residual_mode: str = "sliding"
+    #: one mode for keys and values, or (key mode, value mode) when they differ (a ``{key, value}`` mapping in
+    #: config form)
+    residual_mode: str | tuple[str, str] = "sliding"
     sink_tokens: int = 0
     prefill: str = "fp"
     scales: str | None = None
@@ -84,21 +93,28 @@ class KVPolicy:
         self._check_transforms()
         if self.residual < 0 or self.sink_tokens < 0:
             raise KvevalError(f"policy '{self.name}': residual and sink_tokens must be >= 0")
-        if self.residual_mode not in RESIDUAL_MODES:
-            raise KvevalError(f"policy '{self.name}': residual_mode must be one of {RESIDUAL_MODES}, got '{self.residual_mode}'")
+        self._check_modes()
         if self.prefill not in PREFILL_MODES:
             raise KvevalError(f"policy '{self.name}': prefill must be one of {PREFILL_MODES}, got '{self.prefill}'")
-        if self.residual_mode == "block" and self.residual == 0:
-            raise KvevalError(f"policy '{self.name}': residual_mode 'block' needs residual > 0 (the block size)")
+        for kind in KINDS:
+            mode = self.mode(kind)
+            if mode in masks.BLOCK_MODES and self.residual == 0:
+                raise KvevalError(f"policy '{self.name}': residual_mode '{mode}' needs residual > 0 (the block size)")
         if self.scales is not None and (not isinstance(self.scales, str) or not self.scales.strip()):
             raise KvevalError(f"policy '{self.name}': scales must be a path to a scales file or 'auto'; got {self.scales!r}")
-        for spec in self.all_specs():
+        for kind, spec in self.kind_specs():
             if not spec.is_none and spec.gran.token_blocks and not self.uses_static(spec):
-                if self.residual_mode != "block":
+                if self.mode(kind) != "block":
                     raise KvevalError(
                         f"policy '{self.name}': per-channel quantization takes its statistics over a block of tokens; "
-                        "set residual_mode: block and residual: N (e.g. 128, as KIVI does), or calibrate static "
-                        "scales (scales: auto)"
+                        f"set residual_mode: block (for the {kind}s) and residual: N (e.g. 128, as KIVI does), or "
+                        "calibrate static scales (scales: auto)"
+                    )
+                tokens = spec.gran.token_group
+                if tokens is not None and self.residual % tokens:
+                    raise KvevalError(
+                        f"policy '{self.name}': per-channel groups of {tokens} tokens must tile the {self.residual}-token "
+                        "blocks (KIVI asserts residual_length % group_size == 0)"
                     )
             if not spec.is_none and spec.gran.static_only and spec.static_scale is None \
                     and not self.uses_static(spec):
@@ -143,7 +159,8 @@ class KVPolicy:
             "key": self.key.to_dict(),
             "value": self.value.to_dict(),
             "residual": self.residual,
-            "residual_mode": self.residual_mode,
+            "residual_mode": (dict(zip(KINDS, self.residual_mode)) if isinstance(self.residual_mode, tuple)
+                              else self.residual_mode),
             "sink_tokens": self.sink_tokens,
             "prefill": self.prefill,
         }
@@ -177,6 +194,49 @@ class KVPolicy:
             object.__setattr__(self, "pre_rope", True)
             object.__setattr__(self, "transforms", self.transforms[1:])
         check_sequence(self.transform_sequence(), f"policy '{self.name}'")
+
+    def _check_modes(self) -> None:
+        """``residual_mode``: a mode name, or (key, value) modes given as a ``{key, value}`` mapping or a pair; a
+        pair of equal modes becomes one name (one policy, one resolved config)."""
+        given: Any = self.residual_mode
+        if isinstance(given, dict):
+            unknown = [k for k in given if k not in KINDS]
+            if unknown or len(given) != 2:
+                raise KvevalError(f"policy '{self.name}': residual_mode as a mapping needs exactly the keys 'key' and "
+                                  f"'value'; got {sorted(map(str, given))}")
+            given = (given["key"], given["value"])
+        if isinstance(given, list):
+            given = tuple(given)
+        modes = given if isinstance(given, tuple) else (given,)
+        if len(modes) not in (1, 2) or not all(isinstance(m, str) for m in modes):
+            raise KvevalError(f"policy '{self.name}': residual_mode must be a mode name or {{key: MODE, value: MODE}}; "
+                              f"got {self.residual_mode!r}")
+        for m in modes:
+            if m not in RESIDUAL_MODES:
+                raise KvevalError(f"policy '{self.name}': residual_mode must be one of {RESIDUAL_MODES}, got '{m}'")
+        object.__setattr__(self, "residual_mode", modes[0] if len(set(modes)) == 1 else modes)
+
+    def mode(self, kind: str) -> str:
+        """The residual mode of ``kind`` (``"key"`` or ``"value"``)."""
+        if isinstance(self.residual_mode, tuple):
+            return self.residual_mode[KINDS.index(kind)]
+        return self.residual_mode
+
+    @property
+    def split_modes(self) -> bool:
+        """Whether keys and values follow different schedules."""
+        return isinstance(self.residual_mode, tuple)
+
+    def schedule(self, kind: str) -> Schedule:
+        """``kind``'s schedule (``kveval.policy.masks.Schedule``): this policy's sinks and residual, its mode."""
+        return Schedule(self.sink_tokens, self.residual, self.mode(kind))
+
+    def kind_specs(self) -> list[tuple[str, QuantSpec]]:
+        """(``"key"``/``"value"``, spec) of every spec of the policy, layer overrides included."""
+        out = [("key", self.key), ("value", self.value)]
+        for o in self.layers:
+            out.extend((kind, s) for kind, s in (("key", o.key), ("value", o.value)) if s is not None)
+        return out
 
     def all_specs(self) -> list[QuantSpec]:
         specs = [self.key, self.value]
@@ -225,7 +285,9 @@ class KVPolicy:
         )
         extra = []
         if self.residual:
-            extra.append(f"residual {self.residual} ({self.residual_mode})")
+            modes = (f"K {self.mode('key')}, V {self.mode('value')}" if self.split_modes
+                     else str(self.residual_mode))
+            extra.append(f"residual {self.residual} ({modes})")
         if self.sink_tokens:
             extra.append(f"{self.sink_tokens} sink tokens")
         if self.layers:
@@ -242,16 +304,25 @@ class KVPolicy:
         """Whether any query sees any earlier-or-same token in full precision (else every read is quantized)."""
         return self.residual > 0 or self.sink_tokens > 0 or (prefill_len > 0 and self.prefill == "fp")
 
-    def full_precision_mask(
-        self, q_len: int, kv_len: int, prefill_len: int = 0, device: torch.device | str = "cpu"
-    ) -> torch.Tensor:
-        """Bool ``[q_len, kv_len]``: which (query, key) pairs read the full-precision key/value
-        (``kveval.policy.masks.full_precision_mask`` with this policy's windows)."""
-        return masks.full_precision_mask(q_len, kv_len, sink_tokens=self.sink_tokens, residual=self.residual,
-                                         residual_mode=self.residual_mode, prefill=self.prefill,
-                                         prefill_len=prefill_len, device=device)
+    def _kind(self, kind: str | None) -> str:
+        if kind is None:
+            if self.split_modes:
+                raise KvevalError(f"policy '{self.name}': keys and values follow different schedules; name the kind")
+            return "key"
+        if kind not in KINDS:
+            raise KvevalError(f"kind must be one of {KINDS}; got {kind!r}")
+        return kind
 
-    def quantized_block_end(self, n_stored: int) -> int:
-        """Tokens ``[sink_tokens, end)`` are held quantized once ``n_stored`` tokens are cached
-        (``kveval.policy.masks.quantized_end``)."""
-        return masks.quantized_end(n_stored, self.sink_tokens, self.residual, self.residual_mode)
+    def full_precision_mask(
+        self, q_len: int, kv_len: int, prefill_len: int = 0, device: torch.device | str = "cpu",
+        kind: str | None = None,
+    ) -> torch.Tensor:
+        """Bool ``[q_len, kv_len]``: which (query, token) pairs read the full-precision key (``kind="key"``) or
+        value (``kind="value"``; ``None``: both, when they share a schedule), ``Schedule.full_precision_mask``."""
+        return self.schedule(self._kind(kind)).full_precision_mask(q_len, kv_len, prefill=self.prefill,
+                                                                   prefill_len=prefill_len, device=device)
+
+    def quantized_block_end(self, n_stored: int, kind: str | None = None, prompt: int = 1) -> int:
+        """Tokens ``[sink_tokens, end)`` of ``kind`` are held quantized once ``n_stored`` tokens are cached, the
+        first call having stored ``prompt`` of them (``Schedule.quantized_end``)."""
+        return self.schedule(self._kind(kind)).quantized_end(n_stored, prompt)

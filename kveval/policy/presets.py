@@ -7,7 +7,49 @@ keys and values.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kveval.quant import preset_names
+
+#: the llama.cpp the llamacpp_* presets reproduce (``ggml_commit()`` / ``ggml_version()`` of the libraries)
+LLAMACPP_VERSION = "llama.cpp 0c1e570 (ggml 0.25.3) as bundled by llama-cpp-python 0.3.36"
+#: llama.cpp cache type (-ctk/-ctv) -> the kveval spec that writes it (f16: kept in the model's precision)
+LLAMACPP_SPECS = {"f16": "none", "q8_0": "q8_0_x86", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
+                  "q5_1": "q5_1", "iq4_nl": "iq4_nl"}
+#: K cache type -> the type llama.cpp's CPU attention converts the query to (kveval.transforms.query_quant)
+_QUERY_TYPES = {"f16": "f16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "iq4_nl": "q8_0", "q4_1": "q8_1",
+                "q5_1": "q8_1"}
+
+
+def llamacpp_config(type_k: str, type_v: str, rotation: bool = True, gguf_order: bool = True) -> dict[str, Any]:
+    """The policy config of llama.cpp's CPU KV cache with ``-ctk type_k -ctv type_v`` (flash attention on, as a
+    quantized V requires), for a Llama-family GGUF (``gguf_order``: Q/K in the permuted channel order of
+    convert_hf_to_gguf.py; False for Qwen2/3, Gemma, Phi-3 and other architectures it does not permute).
+
+    Types: f16 (the default cache; kveval keeps it in the model's precision), q8_0 (x86 run-time write, format
+    ``q8_0_x86``), q4_0, q4_1, q5_0, q5_1, iq4_nl. Transforms, in order: ``gguf_order``; ``hadamard`` on the
+    quantized sides (``rotation``: llama.cpp's default; False = ``LLAMA_ATTN_ROT_DISABLE=1``); ``query_quant`` to the
+    keys' vec_dot type (q8_0, q8_1 or f16). The prompt reads the quantized cache (``prefill: quantized``): llama.cpp
+    writes a batch's K/V to the cache before attending to it. Worked: ``llamacpp_config("f16", "q4_0")`` ->
+    ``{key: none, value: q4_0, prefill: quantized, transforms: [gguf_order, {name: hadamard, on: value},
+    {name: query_quant, type: f16}]}``."""
+    for t in (type_k, type_v):
+        if t not in LLAMACPP_SPECS:
+            raise ValueError(f"unknown llama.cpp cache type {t!r}; known: {', '.join(LLAMACPP_SPECS)}")
+    transforms: list[Any] = ["gguf_order"] if gguf_order else []
+    quantized = [kind for kind, t in (("key", type_k), ("value", type_v)) if t != "f16"]
+    if rotation and quantized:
+        transforms.append({"name": "hadamard", "on": "both" if len(quantized) == 2 else quantized[0]})
+    transforms.append({"name": "query_quant", "type": _QUERY_TYPES[type_k]})
+    return {"key": LLAMACPP_SPECS[type_k], "value": LLAMACPP_SPECS[type_v], "prefill": "quantized",
+            "transforms": transforms}
+
+
+def _llamacpp(t: str, rotation: bool = True) -> tuple[dict, str]:
+    rot = "Hadamard rotation (default)" if rotation else "rotation off (LLAMA_ATTN_ROT_DISABLE=1)"
+    return llamacpp_config(t, t, rotation), (
+        f"llama.cpp 0c1e570 (llama-cpp-python 0.3.36) -ctk {t} -ctv {t}, CPU: {rot}, Llama GGUF Q/K order, "
+        f"{_QUERY_TYPES[t]} query")
 
 POLICY_PRESETS: dict[str, tuple[dict, str]] = {
     "fp16": (
@@ -42,13 +84,16 @@ POLICY_PRESETS: dict[str, tuple[dict, str]] = {
         {"key": "int8", "value": "int4_g64"},
         "keys INT8 per-token, values INT4 g64",
     ),
+    # KIVI as jy-yuan/KIVI @876b4d2 does it (models/llama_kivi.py, quant/new_pack.py): G = 32, R = 128
     "kivi2": (
-        {"key": "int2_channel", "value": "int2_g32", "residual": 128, "residual_mode": "block"},
-        "KIVI 2-bit: keys per-channel, values per-token g32, 128-token full-precision residual (block mode)",
+        {"key": {"preset": "int2_channel", "group_size": 32}, "value": "int2_g32", "residual": 128,
+         "residual_mode": {"key": "block", "value": "sliding_lag"}},
+        "KIVI-2 (jy-yuan/KIVI @876b4d2): keys per channel in groups of 32 tokens, quantized 128 at a time after the step that used them; values per token in groups of 32 channels, the newest 128 in full precision; fp16 scale and min",
     ),
     "kivi4": (
-        {"key": "int4_channel", "value": "int4_g32", "residual": 128, "residual_mode": "block"},
-        "KIVI 4-bit: keys per-channel, values per-token g32, 128-token full-precision residual (block mode)",
+        {"key": {"preset": "int4_channel", "group_size": 32}, "value": "int4_g32", "residual": 128,
+         "residual_mode": {"key": "block", "value": "sliding_lag"}},
+        "KIVI-4 (jy-yuan/KIVI @876b4d2): keys per channel in groups of 32 tokens, quantized 128 at a time after the step that used them; values per token in groups of 32 channels, the newest 128 in full precision; fp16 scale and min",
     ),
     "fp8_e4m3": (
         {"spec": "fp8_e4m3"},
@@ -56,11 +101,11 @@ POLICY_PRESETS: dict[str, tuple[dict, str]] = {
     ),
     "q8_0": (
         {"spec": "q8_0"},
-        "llama.cpp -ctk q8_0 -ctv q8_0: blocks of 32, fp16 scale",
+        "ggml q8_0 blocks of 32, fp16 scale, on K and V (the format alone; llamacpp_q8_0 is llama.cpp's cache)",
     ),
     "q4_0": (
         {"spec": "q4_0"},
-        "llama.cpp -ctk q4_0 -ctv q4_0: blocks of 32, fp16 scale",
+        "ggml q4_0 blocks of 32, fp16 scale, on K and V (the format alone; llamacpp_q4_0 is llama.cpp's cache)",
     ),
     # serving engines (docs/engines.md says what each reproduces and where it differs)
     "vllm_fp8": (
@@ -75,17 +120,28 @@ POLICY_PRESETS: dict[str, tuple[dict, str]] = {
         {"spec": "int8_tensor", "scales": "auto"},
         "TensorRT-LLM INT8 KV cache: symmetric, one calibrated per-tensor scale per layer and K/V",
     ),
-    "llamacpp_q8_0": (
-        {"spec": "q8_0", "prefill": "quantized"},
-        "llama.cpp -ctk q8_0 -ctv q8_0 (the prompt reads the quantized cache too)",
-    ),
-    "llamacpp_q4_0": (
-        {"spec": "q4_0", "prefill": "quantized"},
-        "llama.cpp -ctk q4_0 -ctv q4_0 (the prompt reads the quantized cache too)",
-    ),
+    # llama.cpp (kveval parity llamacpp checks each against the real library; llamacpp_config builds mixed K/V)
+    "llamacpp_q8_0": _llamacpp("q8_0"),
+    "llamacpp_q4_0": _llamacpp("q4_0"),
+    "llamacpp_q4_1": _llamacpp("q4_1"),
+    "llamacpp_q5_0": _llamacpp("q5_0"),
+    "llamacpp_q5_1": _llamacpp("q5_1"),
+    "llamacpp_iq4_nl": _llamacpp("iq4_nl"),
+    "llamacpp_q8_0_norot": _llamacpp("q8_0", rotation=False),
+    "llamacpp_q4_0_norot": _llamacpp("q4_0", rotation=False),
+    "llamacpp_q4_1_norot": _llamacpp("q4_1", rotation=False),
+    "llamacpp_q5_0_norot": _llamacpp("q5_0", rotation=False),
+    "llamacpp_q5_1_norot": _llamacpp("q5_1", rotation=False),
+    "llamacpp_iq4_nl_norot": _llamacpp("iq4_nl", rotation=False),
+    # transformers 5.24 QuantizedCache(backend="quanto") with optimum-quanto 0.2.7, its defaults (axis 0 = groups
+    # along head_dim, q_group_size 64, residual_length 128); MaxOptimizer scale and shift in the model's dtype
     "hf_quanto_int4": (
-        {"spec": "int4_g64", "residual": 128, "residual_mode": "block"},
-        "transformers QuantizedCache (quanto, nbits 4, group 64, residual_length 128): prompt attended in full precision, new tokens quantized in blocks of 128",
+        {"spec": {"preset": "int4_g64", "scale_dtype": "model"}, "residual": 128, "residual_mode": "prompt_block"},
+        "transformers 5.24 QuantizedCache(backend='quanto', nbits=4) with optimum-quanto 0.2.7: asymmetric g64 per token, scale and min in the model's dtype; the prompt quantized at the end of its call, then blocks of 128 counted from the prompt end (the flushing step reads them in full precision)",
+    ),
+    "hf_quanto_int2": (
+        {"spec": {"preset": "int2_g64", "scale_dtype": "model"}, "residual": 128, "residual_mode": "prompt_block"},
+        "transformers 5.24 QuantizedCache(backend='quanto', nbits=2) with optimum-quanto 0.2.7: asymmetric g64 per token, scale and min in the model's dtype; the prompt quantized at the end of its call, then blocks of 128 counted from the prompt end (the flushing step reads them in full precision)",
     ),
     "kvquant4_1pct": (
         {

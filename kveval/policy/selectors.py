@@ -19,7 +19,8 @@ _HELP = "use an index, '0-3', '0,2,5', 'first N', 'last N' or 'all'"
 
 
 def _parts(selector: str | int) -> list[re.Match]:
-    """The parsed parts of a selector; KvevalError for a selector outside the grammar or a reversed range."""
+    """The parsed parts of a selector; KvevalError for a selector outside the grammar, a reversed range or a part
+    that selects nothing (``last 0``)."""
     matches: list[re.Match] = []
     for part in str(selector).strip().lower().split(","):
         m = _PART.fullmatch(part.strip())
@@ -27,6 +28,8 @@ def _parts(selector: str | int) -> list[re.Match]:
             raise KvevalError(f"layer selector '{selector}' is not understood; {_HELP}")
         if m["lo"] is not None and int(m["lo"]) > int(m["hi"]):
             raise KvevalError(f"layer range '{m[0]}' is reversed; write it as '{m['hi']}-{m['lo']}'")
+        if m["edge"] is not None and int(m["n"]) == 0:
+            raise KvevalError(f"layer selector '{m[0]}' selects no layer; N in '{m['edge']} N' is at least 1")
         matches.append(m)
     return matches
 
@@ -48,7 +51,9 @@ def layers_of(selector: str | int, num_layers: int) -> list[int]:
             part = list(range(min(n, num_layers))) if m["edge"] == "first" else \
                 list(range(max(num_layers - n, 0), num_layers))
         elif m["lo"] is not None:
-            part = list(range(int(m["lo"]), int(m["hi"]) + 1))
+            part = list(range(int(m["lo"]), min(int(m["hi"]), num_layers) + 1))  # no list of 10^20 layers
+            if int(m["hi"]) >= num_layers:
+                part.append(int(m["hi"]))  # reported below as out of range
         else:
             i = int(m["one"])
             part = [i + num_layers if i < 0 else i]

@@ -5,10 +5,12 @@ reduced over `dims`; keepdim gives the scale shape):
 
 - `PerToken()`:    over D per token                        scale [B, H, T, 1]
 - `PerGroup(g)`:   x viewed [B, H, T, D//g, g], over g     scale [B, H, T, D//g, 1]
-- `PerChannel()`:  x viewed [B, H, nb, cb, D], over the cb tokens of each block, per channel
+- `PerChannel(g)`: x viewed [B, H, nb, cb, D], over the cb tokens of each block, per channel
                                                            scale [B, H, nb, 1, D], nb = ceil(T / cb)
-  cb = the channel block (default: all T tokens, one block). When cb does not divide T, the last, partial block
-  is its own block (its own segment) with statistics over its own T % cb tokens only.
+  cb = g when the spec sets a token group size g (`QuantSpec.group_size` with granularity 'channel': KIVI's keys,
+  groups of G = 32 tokens inside each flushed block), else the channel block the caller gives (the policy's
+  residual block), else all T tokens (one block). When cb does not divide T, the last, partial block is its own
+  block (its own segment) with statistics over its own T % cb tokens only.
 - `PerHead()`:     over B, T, D per kv head                scale [1, H, 1, 1]
 - `PerTensor()`:   over everything                         scale [1, 1, 1, 1]
 
@@ -59,6 +61,11 @@ class Granularity(ABC):
 
     def block(self, seq: int, channel_block: int | None) -> int | None:
         """The token block of the statistics (channel granularity only; None for the others)."""
+        return None
+
+    @property
+    def token_group(self) -> int | None:
+        """Tokens per statistics group when the granularity fixes it (a channel spec with a token group size)."""
         return None
 
     @abstractmethod
@@ -126,14 +133,23 @@ class PerGroup(Granularity):
 
 @dataclass(frozen=True)
 class PerChannel(Granularity):
-    """Per channel (element of head_dim) and head, over blocks of tokens (KIVI keys) or calibrated."""
+    """Per channel (element of head_dim) and head, over blocks of tokens (KIVI keys) or calibrated. ``size``: tokens
+    per statistics group (KIVI's G, jy-yuan/KIVI ``quant/new_pack.py`` ``triton_quantize_and_pack_along_last_dim``
+    on the transposed keys); None: the caller's channel block (the policy's residual block)."""
 
     name: ClassVar[str] = "channel"
     calibratable: ClassVar[bool] = True
     token_blocks: ClassVar[bool] = True
     range_ndim: ClassVar[int | None] = 2
+    size: int | None = None
+
+    @property
+    def token_group(self) -> int | None:
+        return self.size
 
     def block(self, seq: int, channel_block: int | None) -> int | None:
+        if self.size is not None:
+            return self.size
         if channel_block is None:
             return max(seq, 1)
         if isinstance(channel_block, bool) or not isinstance(channel_block, int) or channel_block <= 0:
@@ -158,6 +174,9 @@ class PerChannel(Granularity):
 
     def static_scale_shape(self, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
         return (1, kv_heads, 1, head_dim)
+
+    def label(self) -> str:
+        return self.name if self.size is None else f"channel t{self.size}"
 
 
 @dataclass(frozen=True)
@@ -202,11 +221,14 @@ GRANULARITIES: tuple[str, ...] = tuple(GRANULARITY_TYPES)
 
 @functools.cache
 def granularity_of(name: str, group_size: int | None = None) -> Granularity:
-    """The granularity named by a QuantSpec's fields, e.g. ``granularity_of("group", 64) == PerGroup(64)``."""
+    """The granularity named by a QuantSpec's fields, e.g. ``granularity_of("group", 64) == PerGroup(64)``,
+    ``granularity_of("channel", 32) == PerChannel(32)`` (groups of 32 tokens per channel)."""
     if name not in GRANULARITY_TYPES:
         raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}; got {name!r}")
     if name == PerGroup.name:
         if group_size is None:
             raise ValueError("granularity 'group' needs a group_size")
         return PerGroup(group_size)
+    if name == PerChannel.name:
+        return PerChannel(group_size)
     return GRANULARITY_TYPES[name]()

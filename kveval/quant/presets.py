@@ -16,8 +16,8 @@ def _int(bits: int, mapping: str, granularity: str, group_size: int | None = Non
     return QuantSpec(format="int", bits=bits, mapping=mapping, granularity=granularity, group_size=group_size, **kw)
 
 
-def _ggml(name: str) -> QuantSpec:
-    bits, mapping = GGML_TYPES[name]
+def _ggml(name: str, bits_mapping: tuple[int, str] | None = None) -> QuantSpec:
+    bits, mapping = bits_mapping or GGML_TYPES[name]
     return QuantSpec(format="int", bits=bits, mapping=mapping, granularity="group", group_size=GGML_BLOCK,
                      scale_dtype="float16", ggml=name)
 
@@ -53,6 +53,10 @@ PRESETS: dict[str, tuple[QuantSpec, str]] = {
     "q4_1": (_ggml("q4_1"), "ggml q4_1: INT4 blocks of 32, fp16 scale + min"),
     "q5_0": (_ggml("q5_0"), "ggml q5_0: INT5 blocks of 32, fp16 scale"),
     "q5_1": (_ggml("q5_1"), "ggml q5_1: INT5 blocks of 32, fp16 scale + min"),
+    "q8_0_x86": (_ggml("q8_0_x86", (8, "symmetric")),
+                 "ggml q8_0 as llama.cpp's CPU cache writes it on x86: x*127/amax rounded half to even"),
+    "iq4_nl": (_ggml("iq4_nl", (4, "symmetric")),
+               "ggml iq4_nl: 4-bit non-linear codebook, blocks of 32, fp16 scale (llama.cpp's cache write)"),
 }
 
 

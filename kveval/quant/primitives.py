@@ -18,8 +18,9 @@ Outliers (`spec.outliers`): the k largest |x| of each head_dim row are taken out
 dtype, uint8 indices), the dense rest (outliers set to 0) is quantized, and they are written back on dequantize.
 
 Arithmetic is float32 (float64 when x is float64; ggml types always float32, as gguf), the result has x's dtype.
-Scales and float zero points are rounded to `spec.scale_dtype` (clamped to its finite range) before they are used,
-so the reconstruction uses exactly the stored values: with float16 scales s = 1/3 is used as 0.333251953125.
+Scales and float zero points are rounded to `spec.scale_dtype` (x's own dtype for "model": `QuantSpec.resolved`),
+clamped to its finite range, before they are used, so the reconstruction uses exactly the stored values: with
+float16 scales s = 1/3 is used as 0.333251953125.
 A zero scale (all-zero or constant group) divides by 1 instead: codes are 0 and x^ = 0 (symmetric) or x^ = m
 (asymmetric, float zero point), never NaN. NaN/Inf in x raise ValueError, detected on the per-group statistics
 (for static scales or given qparams, which have none, one min/max pass over x).
@@ -160,6 +161,7 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> Q
     lo, hi = torch.as_tensor(lo), torch.as_tensor(hi)
     if lo.shape != hi.shape:
         raise ValueError(f"lo and hi must have the same shape; got {tuple(lo.shape)} and {tuple(hi.shape)}")
+    spec = spec.resolved(lo.dtype if lo.is_floating_point() else torch.float32)
     if lo.dim() != gran.range_ndim:
         raise ValueError(f"{gran.name} ranges must have {gran.range_ndim} dimension(s); "
                          f"got shape {tuple(lo.shape)}")
@@ -183,6 +185,7 @@ def choose_qparams(x: torch.Tensor, spec: QuantSpec, *, channel_block: int | Non
     _check_input(x, spec)
     if spec.is_none:
         raise ValueError("format 'none' has no quantization parameters")
+    spec = spec.resolved(x.dtype)
     fmt = spec.fmt
     cb = _resolve_block(spec, x.shape[2], channel_block)
     if x.numel() == 0:
@@ -213,6 +216,7 @@ def quantize(
     shape = tuple(x.shape)
     if spec.is_none:
         return QuantizedTensor(x, None, None, spec, x.shape, x.dtype)
+    spec = spec.resolved(x.dtype)
     k = spec.outlier_count(shape[-1])
     if k and x.numel():
         dense, values, index = split_outliers(x, k)
@@ -322,6 +326,7 @@ def fake_quantize(
     if spec.is_none:
         return x
     _check_input(x, spec)
+    spec = spec.resolved(x.dtype)
     if x.numel() == 0:
         return x.clone()
     if qparams is not None or spec.outliers:
@@ -342,7 +347,7 @@ def packed_nbytes(
     """Exact bytes of a QuantizedTensor of x shape [B, H, T, D]: codes `spec.fmt.row_nbytes(spec, D)` per row of
     head_dim (ceil(D*bits/8) for integer codes), scales and zero points in their dtypes (int zero points 1 byte,
     `spec.fmt.param_nbytes`); `dtype` is the element type for format 'none' and for outlier values (k per row,
-    each with a 1-byte index, 2 bytes when D > 256). `static`: calibrated parameters (a channel spec then has
+    each with a 1-byte index, 2 bytes when D > 256), and the scale dtype of a ``model`` spec. `static`: calibrated parameters (a channel spec then has
     one scale per channel and head: [1, H, 1, D]).
 
     Worked: int4 g64 asym, [1, 8, 4096, 128]: codes 32768 rows * 64 B = 2097152; scales: 32768*2 groups *
@@ -355,6 +360,7 @@ def packed_nbytes(
     if spec.is_none:
         n = B * H * T * D * torch.empty((), dtype=dtype).element_size()
         return {"codes": n, "scales": 0, "outliers": 0, "total": n}
+    spec = spec.resolved(dtype)
     spec.check_head_dim(D)
     fmt, gran = spec.fmt, spec.gran
     codes = B * H * T * fmt.row_nbytes(spec, D)

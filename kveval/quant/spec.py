@@ -15,6 +15,11 @@ types, or one registered from outside) and its granularity (`spec.gran`, `kveval
   quantized as above. Worked: p = 0.01, head_dim 64 -> k = 1 outlier per token row and head.
 - static scales: tensor, head and channel granularities can take fixed (calibrated) parameters instead of
   statistics (`qparams=` in `primitives`); a channel spec is then one scale per channel and head, for every token.
+- scale_dtype: float16 (default), bfloat16, float32, float64, or "model": the dtype of the tensor quantized (the
+  model's K/V dtype, as optimum-quanto stores transformers' QuantizedCache scales); `resolved(dtype)` turns it into
+  that dtype's name (`primitives` does so from the tensor, the memory bill from its element dtype).
+- group_size: elements of head_dim per group (granularity 'group'), or tokens per group (granularity 'channel':
+  KIVI's keys, per channel over G = 32 consecutive tokens).
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import torch
+
 from .formats import GGML_BLOCK, GGML_TYPES, QuantFormat, format_names, get_format
-from .formats.base import SCALE_TORCH_DTYPES
+from .formats.base import MODEL_DTYPE, SCALE_TORCH_DTYPES
 from .granularity import GRANULARITIES, Granularity, granularity_of
 
 MAPPINGS = ("symmetric", "asymmetric")
-SCALE_DTYPES = tuple(SCALE_TORCH_DTYPES)
+SCALE_DTYPES = (*SCALE_TORCH_DTYPES, MODEL_DTYPE)
 ZERO_POINTS = ("float", "int")
 
 __all__ = ["QuantSpec", "MAPPINGS", "GRANULARITIES", "SCALE_DTYPES", "ZERO_POINTS", "GGML_TYPES", "GGML_BLOCK"]
@@ -80,8 +87,13 @@ class QuantSpec:
         if self.granularity == "group":
             if not _is_int(self.group_size) or self.group_size <= 0:
                 raise ValueError(f"QuantSpec.group_size must be a positive integer for granularity 'group'; got {self.group_size!r}")
+        elif self.granularity == "channel" and self.group_size is not None:
+            if not _is_int(self.group_size) or self.group_size <= 0:
+                raise ValueError(f"QuantSpec.group_size (tokens per group) must be a positive integer for granularity "
+                                 f"'channel'; got {self.group_size!r}")
         elif self.group_size is not None:
-            raise ValueError(f"QuantSpec.group_size is only allowed with granularity 'group'; got {self.group_size!r} with {self.granularity!r}")
+            raise ValueError(f"QuantSpec.group_size is only allowed with granularity 'group' (elements of head_dim) or "
+                             f"'channel' (tokens); got {self.group_size!r} with {self.granularity!r}")
         if not _is_real(self.clip_ratio) or not 0.0 < self.clip_ratio <= 1.0:
             raise ValueError(f"QuantSpec.clip_ratio must be in (0, 1]; got {self.clip_ratio!r}")
         if self.static_scale is not None:
@@ -167,6 +179,17 @@ class QuantSpec:
         if self.is_none or not self.outliers:
             return 0
         return min(math.ceil(self.outliers * head_dim - 1e-9), head_dim)
+
+    def resolved(self, dtype: torch.dtype) -> QuantSpec:
+        """This spec with a ``model`` scale dtype replaced by ``dtype``'s name (the K/V tensor's dtype: float32 scales
+        for a float32 model, float16 for a float16 one); itself otherwise. Worked:
+        ``QuantSpec(bits=4, scale_dtype="model").resolved(torch.float32).scale_dtype == "float32"``."""
+        if self.is_none or self.scale_dtype != MODEL_DTYPE:
+            return self
+        names = {v: k for k, v in SCALE_TORCH_DTYPES.items()}
+        if dtype not in names:
+            raise ValueError(f"scale_dtype 'model' needs a floating-point tensor dtype; got {dtype}")
+        return dataclasses.replace(self, scale_dtype=names[dtype])
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError unless group_size divides head_dim, e.g. 'group_size 48 does not divide head_dim 64'."""

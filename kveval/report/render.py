@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,9 +23,11 @@ from pathlib import Path
 import pandas as pd
 
 from kveval.errors import KvevalError
+from kveval.fileio import atomic_write_text
 from kveval.report import plots, tables
 from kveval.report.task_figures import write_task_figures
-from kveval.results import BASELINE, RunResults, load
+from kveval.results import BASELINE, PLOTS_DIR, TABLES_DIR, RunResults, load, lock_folder
+from kveval.results.layout import REPORT_FILES
 
 CAPTIONS = {
     "quality_vs_memory": "Quality against memory: one point per policy; dashed: the Pareto front (no other policy "
@@ -60,6 +63,12 @@ def report_command(run_dirs: Sequence[str | Path], out: str | Path | None = None
     A missing or corrupt results folder raises :class:`KvevalError` with a one-line message before anything is
     written. One run also gets its tasks' own figures (needle heatmaps, the scan's heatmap and ranking, for the
     tasks whose ``plots`` parameter is true: :func:`kveval.report.task_figures.write_task_figures`).
+
+    The output folder has one owner while the report is written (:func:`kveval.results.lock_folder`: a run still
+    writing its folder refuses the report with one line naming it; ``kveval run`` itself already holds it). Every
+    file is replaced atomically, never written through a symbolic link, so an interrupted report leaves the
+    previous one (or none) and never a half-written file; a folder or file in the way, or one that cannot be
+    written, is a one-line :class:`KvevalError`.
     """
     if not run_dirs:
         raise KvevalError("give at least one results folder (results/<run>)")
@@ -68,14 +77,47 @@ def report_command(run_dirs: Sequence[str | Path], out: str | Path | None = None
     if out is None:
         out = Path(run_dirs[0]) if len(runs) == 1 else Path("reports") / date.today().isoformat()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    blocks = build(runs, out)
-    title = f"kveval report: {', '.join(r.name for r in runs)}"
-    (out / "report.md").write_text(to_markdown(blocks))
-    (out / "report.html").write_text(to_html(blocks, title, out))
-    if len(runs) == 1:
-        write_task_figures(runs[0], out)
+    with lock_folder(out, command="kveval report " + " ".join(str(d) for d in run_dirs),
+                     hint="give another folder with -o"):
+        _check_targets(out)
+        try:
+            blocks = build(runs, out)
+            title = f"kveval report: {', '.join(r.name for r in runs)}"
+            atomic_write_text(out / "report.md", to_markdown(blocks))
+            atomic_write_text(out / "report.html", to_html(blocks, title, out))
+            if len(runs) == 1:
+                write_task_figures(runs[0], out)
+        except OSError as exc:
+            raise KvevalError(f"cannot write the report into {out}: {exc.strerror or exc}; make it writable, or "
+                              "give another folder with -o") from None
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # hand-edited run files
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise KvevalError(f"the report of {', '.join(str(d) for d in run_dirs)} failed on its numbers "
+                              f"({type(exc).__name__}: {first}); is metrics.json hand-edited? rerun the config to "
+                              "rebuild it") from None
     return out
+
+
+def _check_targets(out: Path) -> None:
+    """Refuse (one line) a report folder where a file kveval writes is a folder or a symbolic link, or where
+    ``tables`` / ``plots`` is not a plain folder: the report never writes through a link or over a foreign
+    object."""
+    problems = []
+    for name in REPORT_FILES:
+        p = out / name
+        if p.is_symlink() or (p.exists() and not p.is_file()):
+            problems.append(f"{name} is {'a symbolic link' if p.is_symlink() else 'not a file'}")
+    for sub, pattern in ((TABLES_DIR, "*.csv"), (PLOTS_DIR, "*.png")):
+        d = out / sub
+        if d.is_symlink() or (d.exists() and not d.is_dir()):
+            problems.append(f"{sub} is {'a symbolic link' if d.is_symlink() else 'not a folder'}")
+        elif d.is_dir():
+            links = sorted(p.name for p in d.glob(pattern) if p.is_symlink() or not p.is_file())
+            if links:
+                problems.append(f"{sub}/{links[0]} is a symbolic link or not a file")
+    if problems:
+        raise KvevalError(f"{out}: {problems[0]}; kveval replaces only its own plain files there: remove it, or "
+                          "give another folder with -o")
 
 
 def write_run_report(run_dir: Path) -> None:
@@ -437,22 +479,37 @@ def _g(v) -> str:
 # ------------------------------------------------------------------------------------------- rendering
 
 
+def _line(text: object) -> str:
+    """``text`` on one line (line breaks as spaces): a run or policy name with a newline cannot start a heading,
+    a list item or a table row of its own in report.md."""
+    return " ".join(str(text).splitlines())
+
+
+def _fence(code: str) -> str:
+    """A code fence longer than any run of backticks in ``code`` (a path holding ````` cannot close it)."""
+    longest = max((len(m) for m in re.findall(r"`+", code)), default=0)
+    return "`" * max(3, longest + 1)
+
+
 def to_markdown(blocks: list[Block]) -> str:
+    """report.md from the blocks; names and other text from the run files are kept to their cell, line or item
+    (tables: :func:`kveval.report.tables.md_cell`; headings, paragraphs, list items, captions: one line)."""
     out = []
     for b in blocks:
         if b.kind == "h":
-            out.append("#" * b.level + " " + str(b.content))
+            out.append("#" * b.level + " " + _line(b.content))
         elif b.kind == "p":
-            out.append(str(b.content))
+            out.append(_line(b.content))
         elif b.kind == "ul":
-            out.append("\n".join(f"- {item}" for item in b.content))
+            out.append("\n".join(f"- {_line(item)}" for item in b.content))
         elif b.kind == "table":
-            out.append((f"*{b.caption}*\n\n" if b.caption else "") + tables.to_markdown(b.content))
+            out.append((f"*{_line(b.caption)}*\n\n" if b.caption else "") + tables.to_markdown(b.content))
         elif b.kind == "img":
             src, alt = b.content
-            out.append(f"![{alt}]({src})" + (f"\n\n*{b.caption}*" if b.caption else ""))
+            out.append(f"![{_line(alt)}]({src})" + (f"\n\n*{_line(b.caption)}*" if b.caption else ""))
         elif b.kind == "code":
-            out.append("```bash\n" + str(b.content) + "\n```")
+            fence = _fence(str(b.content))
+            out.append(f"{fence}bash\n" + str(b.content) + f"\n{fence}")
     return "\n\n".join(out) + "\n"
 
 

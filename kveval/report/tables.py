@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
+from kveval.fileio import atomic_write_text
 from kveval.results import BASELINE, RunResults
 
 
@@ -94,8 +96,32 @@ def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
         if df.empty and name in ("needle", "sensitivity"):
             continue
         path = tables_dir / f"{name}.csv"
-        df.to_csv(path, index=False)
+        atomic_write_text(path, csv_safe(df).to_csv(index=False))
         out[name] = path
+    return out
+
+
+#: First characters that make a spreadsheet read a cell as a formula (OWASP "CSV injection").
+FORMULA_TRIGGERS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_safe_cell(value):
+    """A text cell that a spreadsheet would run as a formula (``=HYPERLINK(...)``, ``+1``, ``@SUM``, a leading
+    tab or CR) gets a leading ``'`` so that it opens as text; anything else, numbers included (``-0.5`` stays a
+    number), is returned unchanged."""
+    if isinstance(value, str) and value.startswith(FORMULA_TRIGGERS):
+        return "'" + value
+    return value
+
+
+def csv_safe(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with every text cell and column name made spreadsheet-safe (:func:`csv_safe_cell`); numeric columns
+    are untouched."""
+    out = df.copy()
+    for col in out.columns:
+        if not pd.api.types.is_numeric_dtype(out[col]):  # object or string dtype (pandas >= 3 infers "str")
+            out[col] = out[col].map(csv_safe_cell)
+    out.columns = [csv_safe_cell(c) for c in out.columns]
     return out
 
 
@@ -109,10 +135,18 @@ def to_markdown(df: pd.DataFrame) -> str:
     cols = list(df.columns)
     cells = [[_cell(v) for v in row] for row in df.itertuples(index=False)]
     numeric = [all(_looks_numeric(c[i]) for c in cells if c[i]) for i in range(len(cols))]
-    head = "| " + " | ".join(str(c) for c in cols) + " |"
+    head = "| " + " | ".join(md_cell(str(c)) for c in cols) + " |"
     sep = "|" + "|".join("---:" if n else ":---" for n in numeric) + "|"
-    body = ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
+    body = ["| " + " | ".join(md_cell(c) for c in row) + " |" for row in cells]
     return "\n".join([head, sep, *body])
+
+
+def md_cell(text: str) -> str:
+    """``text`` as one Markdown table cell: ``|`` escaped, line breaks (``\\r``, ``\\n``, the Unicode ones) as
+    ``<br>``, so that a policy or run name can neither end its cell nor start a new row; backslashes before a
+    ``|`` are doubled so that they cannot cancel its escape (and still show as typed)."""
+    text = re.sub(r"(\\*)\|", lambda m: m.group(1) * 2 + "\\|", text)
+    return "<br>".join(text.splitlines()) if any(c in text for c in "\r\n\v\f\x1c\x1d\x1e\x85\u2028\u2029") else text
 
 
 def to_html(df: pd.DataFrame, caption: str | None = None) -> str:
@@ -163,7 +197,8 @@ def _f(v, spec: str, prefix: str = "", suffix: str = "") -> str:
     return "" if not _ok(v) else f"{prefix}{format(float(v), spec)}{suffix}"
 
 
-__all__ = ["summary", "verdict_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html"]
+__all__ = ["summary", "verdict_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
+           "md_cell", "csv_safe", "csv_safe_cell"]
 
 
 def plan_table(res: RunResults) -> pd.DataFrame:

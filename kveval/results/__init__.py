@@ -1,6 +1,7 @@
 """The results feature: the one place that writes and reads run folders (``results/<run>/``).
 
-``layout`` names a run folder's files and the baseline, and says what each file holds; ``store`` owns a run folder
+``layout`` names a run folder's files and the baseline, says what each file holds and where a run's folder is
+(``run_folder``: contained, ``~`` expanded); ``lock`` gives a folder one owner at a time; ``store`` owns a run folder
 while a run writes it (resolved config, env.json, records.jsonl appended as work completes, metrics.json written
 atomically); ``read`` loads a finished folder into pandas for reports, notebooks and ``kveval plan``::
 
@@ -23,32 +24,38 @@ if TYPE_CHECKING:
         BASELINE,
         CONFIG_FILE,
         ENV_FILE,
+        LOCK_FILE,
+        MARKER_FILE,
         METRICS_FILE,
         PLOTS_DIR,
         RECORDS_FILE,
         SCALES_FILE,
         SCALES_USED_FILE,
         TABLES_DIR,
+        run_folder,
     )
+    from kveval.results.lock import lock_folder
     from kveval.results.read import RunResults, load, read_config, read_env, read_metrics, read_records
-    from kveval.results.store import RunDir, environment, now, record_key
+    from kveval.results.store import RunDir, TaskRecords, environment, now, record_key
 
 _HOMES = {
     "kveval.fileio": ("atomic_write_json", "atomic_write_text", "read_jsonl"),
-    "kveval.results.layout": ("BASELINE", "CONFIG_FILE", "ENV_FILE", "METRICS_FILE", "PLOTS_DIR", "RECORDS_FILE",
-                              "SCALES_FILE", "SCALES_USED_FILE", "TABLES_DIR"),
+    "kveval.results.layout": ("BASELINE", "CONFIG_FILE", "ENV_FILE", "LOCK_FILE", "MARKER_FILE", "METRICS_FILE",
+                              "PLOTS_DIR", "RECORDS_FILE", "SCALES_FILE", "SCALES_USED_FILE", "TABLES_DIR",
+                              "run_folder"),
+    "kveval.results.lock": ("lock_folder",),
     "kveval.results.read": ("RunResults", "load", "read_config", "read_env", "read_metrics", "read_records"),
-    "kveval.results.store": ("RunDir", "environment", "now", "record_key"),
+    "kveval.results.store": ("RunDir", "TaskRecords", "environment", "now", "record_key"),
 }
 _EXPORTS = {name: module for module, names in _HOMES.items() for name in names}
 
-_MODULES = ("layout", "read", "store")
+_MODULES = ("layout", "lock", "read", "store")
 
 __all__ = [
-    "BASELINE", "CONFIG_FILE", "ENV_FILE", "METRICS_FILE", "PLOTS_DIR", "RECORDS_FILE", "SCALES_FILE",
-    "SCALES_USED_FILE", "TABLES_DIR", "RunDir", "RunResults", "atomic_write_json", "atomic_write_text",
-    "environment", "load", "now", "read_config", "read_env", "read_jsonl", "read_metrics", "read_records",
-    "record_key",
+    "BASELINE", "CONFIG_FILE", "ENV_FILE", "LOCK_FILE", "MARKER_FILE", "METRICS_FILE", "PLOTS_DIR", "RECORDS_FILE",
+    "SCALES_FILE", "SCALES_USED_FILE", "TABLES_DIR", "RunDir", "RunResults", "TaskRecords", "atomic_write_json",
+    "atomic_write_text", "environment", "load", "lock_folder", "now", "read_config", "read_env", "read_jsonl",
+    "read_metrics", "read_records", "record_key", "run_folder",
 ]
 
 

@@ -31,9 +31,25 @@ Schema (docs/design.md section 4; the README's "Results" section lists every fie
   ``scales_used.json`` (:data:`SCALES_USED_FILE`): ``{policy: sha256}`` of the ``scales: FILE`` files a run used.
 * ``report.md``, ``report.html``, ``tables/*.csv`` (:data:`TABLES_DIR`), ``plots/*.png`` (:data:`PLOTS_DIR`):
   written by ``kveval.report`` from the files above (``kveval run`` calls it at the end), never by a task.
+* ``.kveval-run.json`` (:data:`MARKER_FILE`): the marker that says kveval made this folder as a run folder, and
+  the folder's resolved state: ``{"format": 1, "created": ISO 8601, "kveval": version, "tokens": {"sha256",
+  "count"}}`` (``tokens``: the corpus token ids the records were computed on, absent until a task reads the
+  corpus). ``--overwrite`` removes only a folder with this marker (or a run folder of an older kveval, which holds
+  nothing but kveval's own files), and then only kveval's own files in it.
+* ``.kveval.lock`` (:data:`LOCK_FILE`): exists while a kveval process writes the folder (``kveval run``, ``scan``,
+  ``report``, ``calibrate --out`` into it); ``fcntl.flock`` on it is the folder's one-owner lock, its content
+  names the holder (:mod:`kveval.results.lock`).
+
+Where a run folder is: :func:`run_folder` (``output``, ``~`` expanded, else ``results/<name>``, the name one plain
+path component).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kveval.errors import KvevalError
 
 CONFIG_FILE = "config.resolved.yaml"
 ENV_FILE = "env.json"
@@ -43,9 +59,73 @@ SCALES_FILE = "scales.safetensors"
 SCALES_USED_FILE = "scales_used.json"
 PLOTS_DIR = "plots"
 TABLES_DIR = "tables"
+REPORT_FILES = ("report.md", "report.html")
+MARKER_FILE = ".kveval-run.json"
+LOCK_FILE = ".kveval.lock"
+
+#: Every name kveval itself writes in a run folder: what ``--overwrite`` may remove, and what a run folder of an
+#: older kveval (made before :data:`MARKER_FILE`) may hold.
+OWN_FILES = (CONFIG_FILE, ENV_FILE, RECORDS_FILE, METRICS_FILE, SCALES_FILE, SCALES_USED_FILE, *REPORT_FILES,
+             TABLES_DIR, PLOTS_DIR, MARKER_FILE)
+
+#: The folder where runs go when a config names no ``output``.
+RESULTS_ROOT = "results"
 
 #: The full-precision reference: its policy name in records.jsonl and its key in metrics.json.
 BASELINE = "baseline"
 
-__all__ = ["BASELINE", "CONFIG_FILE", "ENV_FILE", "METRICS_FILE", "PLOTS_DIR", "RECORDS_FILE", "SCALES_FILE",
-           "SCALES_USED_FILE", "TABLES_DIR"]
+
+def _bad_char(text: str) -> str | None:
+    for ch in text:
+        if ch == "\0" or ord(ch) < 32 or ord(ch) == 127:
+            return repr(ch)
+    return None
+
+
+def check_run_name(name: str) -> str:
+    """``name`` when it can name a run folder under ``results/``: one plain path component (no ``/`` or ``\\``,
+    not ``.`` or ``..``, no control characters, not empty); else :class:`KvevalError` (one line)."""
+    if not isinstance(name, str) or not name.strip():
+        raise KvevalError("name: must not be empty; give the run a name such as int4_g64")
+    bad = _bad_char(name)
+    if bad:
+        raise KvevalError(f"name: {name!r} holds the control character {bad}; use letters, digits, '-', '_' or '.'")
+    if "/" in name or "\\" in name:
+        raise KvevalError(f"name: {name!r} holds a path separator; a run name is one folder name under results/ "
+                          "(set output: to choose another place)")
+    if name.strip(".") == "":  # ".", ".." and the like: the results folder itself, or above it
+        raise KvevalError(f"name: {name!r} is not a folder name; give the run a name such as int4_g64")
+    return name
+
+
+def run_folder(name: str, output: str | os.PathLike[str] | None = None) -> Path:
+    """The run folder of a config: ``output`` with ``~`` expanded, else ``results/<name>``.
+
+    Checks before anything is written, each failure a one-line :class:`KvevalError`: ``name`` is one plain path
+    component (:func:`check_run_name`: no separators, not ``.``/``..``), so ``results/<name>`` stays inside
+    ``results/``; ``output`` is not empty, has no control characters, and a leading ``~`` names a known home
+    folder (never a literal ``./~``). ``output`` may point anywhere the user chooses (``../elsewhere``, an
+    absolute path); whether the folder there may be written is the run's lock and ownership check
+    (:mod:`kveval.results.lock`, :meth:`kveval.results.store.RunDir.check`).
+    """
+    check_run_name(name)
+    if output is None:
+        return Path(RESULTS_ROOT) / name
+    text = os.fspath(output)
+    if not text.strip():
+        raise KvevalError("output: must not be empty; give a folder such as results/my_run, or leave it out")
+    bad = _bad_char(text)
+    if bad:
+        raise KvevalError(f"output: {text!r} holds the control character {bad}; give a plain folder path")
+    if text.startswith("~"):
+        expanded = os.path.expanduser(text)
+        if expanded.startswith("~"):
+            raise KvevalError(f"output: {text!r}: no such user's home folder; give an absolute path or one "
+                              "relative to the current folder")
+        text = expanded
+    return Path(text)
+
+
+__all__ = ["BASELINE", "CONFIG_FILE", "ENV_FILE", "LOCK_FILE", "MARKER_FILE", "METRICS_FILE", "OWN_FILES",
+           "PLOTS_DIR", "RECORDS_FILE", "REPORT_FILES", "RESULTS_ROOT", "SCALES_FILE", "SCALES_USED_FILE",
+           "TABLES_DIR", "check_run_name", "run_folder"]

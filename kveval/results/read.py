@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import pandas as pd
 import yaml
 
 from kveval.errors import KvevalError
-from kveval.fileio import read_jsonl
+from kveval.fileio import scan_jsonl
 from kveval.results.layout import BASELINE, CONFIG_FILE, ENV_FILE, METRICS_FILE, RECORDS_FILE
 
 #: Columns of ``RunResults.summary`` (always present, NaN where the run did not measure them).
@@ -104,9 +105,23 @@ class RunResults:
                 if isinstance(entry, dict) and isinstance(entry.get(kind), dict)]
 
 
-def _read_json(path: Path) -> Any:
+def _read_text(path: Path, what: str) -> str:
+    """The text of a run folder's file; a folder, a special file, unreadable bytes or an I/O error there is a
+    one-line :class:`KvevalError` naming the file (``what``: what to do about it)."""
     try:
-        return json.loads(path.read_text())
+        if not path.is_file():
+            raise KvevalError(f"{path} is not a file; {what}")
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise KvevalError(f"{path} is not text (not UTF-8); {what}") from None
+    except OSError as exc:
+        raise KvevalError(f"cannot read {path} ({exc.strerror or exc}); {what}") from None
+
+
+def _read_json(path: Path) -> Any:
+    text = _read_text(path, "rerun the config to rebuild it")
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise KvevalError(f"{path} is not valid JSON (line {exc.lineno}); rerun the config to rebuild it") from None
 
@@ -116,13 +131,13 @@ def read_metrics(run_dir: str | Path) -> dict:
 
     Raises :class:`KvevalError` with a one-line message when ``run_dir`` is not a folder, when it has no
     ``metrics.json`` (saying whether its run is unfinished: records or a config but no metrics yet), or when the
-    file is not valid JSON or has no ``policies`` mapping.
+    file is not a readable file of valid JSON or has no ``policies`` mapping.
     """
     run_dir = Path(run_dir)
     path = run_dir / METRICS_FILE
     if not run_dir.is_dir():
         raise KvevalError(f"{run_dir} is not a folder; give a kveval results folder (results/<run>)")
-    if not path.exists():
+    if not os.path.lexists(path):
         if (run_dir / RECORDS_FILE).exists() or (run_dir / CONFIG_FILE).exists():
             raise KvevalError(f"{run_dir} has no {METRICS_FILE} yet: its run is unfinished or was interrupted; "
                               "rerun its command to resume and finish it")
@@ -130,19 +145,26 @@ def read_metrics(run_dir: str | Path) -> dict:
     metrics = _read_json(path)
     if not isinstance(metrics, dict) or not isinstance(metrics.get("policies", {}), dict):
         raise KvevalError(f"{path} is not a kveval metrics document (no 'policies' mapping); rerun the config")
+    for section in (BASELINE, "memory", "sensitivity", "plan"):
+        if metrics.get(section) is not None and not isinstance(metrics[section], dict):
+            raise KvevalError(f"{path}: '{section}' is not a mapping; rerun the config to rebuild it")
+    for pname, m in metrics.get("policies", {}).items():
+        if m is not None and not isinstance(m, dict):
+            raise KvevalError(f"{path}: policy '{pname}' is not a mapping; rerun the config to rebuild it")
     return metrics
 
 
 def read_config(run_dir: str | Path) -> dict:
     """``config.resolved.yaml`` of a run folder as plain data; ``{}`` when the file is absent (or not a mapping).
 
-    Raises :class:`KvevalError` with a one-line message when the file is not valid YAML.
+    Raises :class:`KvevalError` with a one-line message when the file is not a readable file of valid YAML.
     """
     path = Path(run_dir) / CONFIG_FILE
-    if not path.exists():
+    if not os.path.lexists(path):
         return {}
+    text = _read_text(path, "rerun the config to rebuild it")
     try:
-        config = yaml.safe_load(path.read_text())
+        config = yaml.safe_load(text)
     except yaml.YAMLError:
         raise KvevalError(f"{path} is not valid YAML; rerun the config to rebuild it") from None
     return config if isinstance(config, dict) else {}
@@ -150,16 +172,32 @@ def read_config(run_dir: str | Path) -> dict:
 
 def read_env(run_dir: str | Path) -> dict:
     """``env.json`` of a run folder; ``{}`` when the file is absent (or not a mapping); KvevalError (one line)
-    when it is not valid JSON."""
+    when it is not a readable file of valid JSON."""
     path = Path(run_dir) / ENV_FILE
-    env = _read_json(path) if path.exists() else {}
+    env = _read_json(path) if os.path.lexists(path) else {}
     return env if isinstance(env, dict) else {}
 
 
 def read_records(run_dir: str | Path) -> list[dict]:
-    """``records.jsonl`` of a run folder, one dict per complete record (:func:`kveval.fileio.read_jsonl`: a torn
-    last line is ignored, reading stops at a line that is not JSON); ``[]`` when the file is absent."""
-    return read_jsonl(Path(run_dir) / RECORDS_FILE)
+    """``records.jsonl`` of a run folder: the first complete record of each key, in file order; ``[]`` when the
+    file is absent.
+
+    Lines that are not JSON, documents that are not objects with a string ``key``, later records of a key already
+    seen and a torn last line are skipped (:func:`kveval.fileio.scan_jsonl`), so a folder written twice by an
+    older kveval reads as if written once. KvevalError (one line) when the file is a folder or unreadable.
+    """
+    path = Path(run_dir) / RECORDS_FILE
+    try:
+        docs = scan_jsonl(path).objects
+    except OSError as exc:
+        raise KvevalError(f"cannot read {path} ({exc.strerror or exc}); rerun the config to rebuild it") from None
+    out: list[dict] = []
+    seen: set[str] = set()
+    for doc in docs:
+        if isinstance(doc, dict) and isinstance(doc.get("key"), str) and doc["key"] not in seen:
+            seen.add(doc["key"])
+            out.append(doc)
+    return out
 
 
 def _num(value: Any) -> float:
@@ -337,20 +375,27 @@ def load(run_dir: str | Path) -> RunResults:
     """Load ``results/<run>/`` into a :class:`RunResults` (see its docstring for every frame and column).
 
     Raises :class:`kveval.errors.KvevalError` (one line) when the folder or its ``metrics.json`` is missing or
-    corrupt; the other files are optional.
+    corrupt (not JSON, or JSON without the shape of a metrics document); the other files are optional but must
+    be readable when present.
     """
     path = Path(run_dir)
     metrics = read_metrics(path)
     config = read_config(path)
     env = read_env(path)
-    name = str(metrics.get("run") or config.get("name") or path.name)
-    memory = _memory(name, metrics, config)
-    return RunResults(
-        path=path, name=name, metrics=metrics, config=config, env=env,
-        summary=_summary(name, metrics, config, memory), positions=_positions(name, metrics),
-        layers=_layers(name, metrics), needle=_needle(name, metrics), sensitivity=_sensitivity(name, metrics),
-        memory=memory, records=pd.DataFrame(read_records(path)),
-    )
+    records = read_records(path)
+    try:
+        name = str(metrics.get("run") or config.get("name") or path.name)
+        memory = _memory(name, metrics, config)
+        return RunResults(
+            path=path, name=name, metrics=metrics, config=config, env=env,
+            summary=_summary(name, metrics, config, memory), positions=_positions(name, metrics),
+            layers=_layers(name, metrics), needle=_needle(name, metrics), sensitivity=_sensitivity(name, metrics),
+            memory=memory, records=pd.DataFrame(records),
+        )
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # a hand-edited document
+        raise KvevalError(f"{path / METRICS_FILE} does not have the shape of a kveval metrics document "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); rerun the "
+                          "config to rebuild it") from None
 
 
 __all__ = ["BASELINE", "RunResults", "load", "read_metrics", "read_config", "read_env", "read_records",

@@ -5,24 +5,58 @@ work, appended and flushed as it completes) and ``metrics.json`` (aggregates, wr
 what each file holds are in :mod:`kveval.results.layout`, the reading side in :mod:`kveval.results.read`. A
 rerun of the same config resumes: units whose key is already in ``records.jsonl`` are skipped. A different config
 aimed at the same folder is refused unless ``overwrite=True``.
+
+The rules that keep a folder's records whole (the caller holds the folder's lock, :mod:`kveval.results.lock`):
+
+* Ownership: kveval writes only into a new or empty folder, a folder it made (the marker
+  :data:`~kveval.results.layout.MARKER_FILE`) or a run folder of an older kveval (nothing but kveval's own file
+  names); ``overwrite`` removes only kveval's own files there, and only once every check has passed
+  (:meth:`RunDir.open` is the last step before work).
+* Reading: every complete record counts once, the first of each key (:meth:`RunDir.records`); a line that is
+  not JSON, or not an object with a string ``key``, is skipped with a warning and the later lines still count.
+* Writing: records are appended whole, after a torn last line is cut (so a new record never glues onto it), and
+  never through a symbolic link; the other files are replaced atomically.
+* Scope: a task sees the run through a :class:`TaskRecords` view: only the records of keys it looks up or appends
+  count for it (a window or trial the config does not have never reaches its metrics), and a second task of the
+  same kind in one config gets its own key prefix (``tasks[i]/``).
+* Tokens: the marker records the hash of the corpus token ids the records were computed on; a resume on other
+  token ids is refused (:meth:`RunDir.check_tokens`).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
+from collections.abc import Callable, Iterable, Iterator, Set
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from kveval.errors import KvevalError
-from kveval.fileio import atomic_write_json, atomic_write_text, read_jsonl
-from kveval.results.layout import CONFIG_FILE, ENV_FILE, METRICS_FILE, RECORDS_FILE
+from kveval.fileio import append_line, atomic_write_json, atomic_write_text, end_with_newline, scan_jsonl
+from kveval.results.layout import (
+    CONFIG_FILE,
+    ENV_FILE,
+    LOCK_FILE,
+    MARKER_FILE,
+    METRICS_FILE,
+    OWN_FILES,
+    RECORDS_FILE,
+    SCALES_FILE,
+    SCALES_USED_FILE,
+)
+
+#: The marker's format version.
+MARKER_FORMAT = 1
 
 
 def _git_commit() -> str | None:
@@ -62,16 +96,114 @@ def record_key(rec: dict) -> str:
     return rec["key"]
 
 
+def _warn_stderr(message: str) -> None:
+    print(f"kveval: warning: {message}", file=sys.stderr)
+
+
+def is_own_name(name: str) -> bool:
+    """Whether kveval writes a file of this name in a run folder (its files, the lock, and the hidden temporary
+    siblings ``.<file>.<random>`` that an interrupted atomic write leaves)."""
+    if name in OWN_FILES or name == LOCK_FILE:
+        return True
+    return name.startswith(".") and any(name.startswith(f".{own}.") for own in OWN_FILES)
+
+
+def folder_kind(path: str | os.PathLike[str]) -> str:
+    """What ``path`` is to kveval: ``"absent"``, ``"file"`` (not a folder), ``"empty"`` (a folder holding at most
+    a lock file), ``"marked"`` (it holds kveval's marker: kveval made it as a run folder), ``"legacy"`` (a run
+    folder of a kveval older than the marker: nothing but kveval's own names)
+    or ``"foreign"`` (anything else: the user's own files)."""
+    p = Path(path)
+    if not os.path.lexists(p):
+        return "absent"
+    if not p.is_dir():
+        return "file"
+    try:
+        names = [n for n in os.listdir(p) if n != LOCK_FILE]
+    except OSError as exc:
+        raise KvevalError(f"cannot read the folder {p}: {exc.strerror or exc}") from None
+    if not names:
+        return "empty"
+    if MARKER_FILE in names and stat.S_ISREG(os.lstat(p / MARKER_FILE).st_mode):
+        return "marked"
+    if all(is_own_name(n) for n in names):
+        return "legacy"
+    return "foreign"
+
+
+def _not_regular(path: Path) -> str | None:
+    """Why ``path`` cannot be a file kveval reads and writes in place ("a folder", "a symbolic link"...), or None
+    (absent, or a regular file)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "not a regular file"
+
+
+def tokens_digest(token_ids: Any) -> dict:
+    """``{"sha256", "count"}`` of a sequence of token ids (a 1-D torch tensor, a numpy array or a list), hashed as
+    little-endian int64: what the marker records, so that a resume on another corpus is caught."""
+    if hasattr(token_ids, "detach"):
+        token_ids = token_ids.detach().cpu().numpy()
+    import numpy as np
+
+    arr = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8").reshape(-1))
+    return {"sha256": hashlib.sha256(arr.tobytes()).hexdigest(), "count": int(arr.size)}
+
+
 class RunDir:
-    """One results folder. ``open`` creates it or checks that it belongs to the same config (resume)."""
+    """One results folder. ``check`` says whether a config may use it, ``open`` makes it ready to append to.
 
-    def __init__(self, path: Path):
+    The caller holds the folder's lock (:func:`kveval.results.lock.lock_folder`) from ``check`` to the end of the
+    run, so that nothing changes between the checks and the writes. ``warn``: where warnings about damaged records
+    go (one line each, once per folder; default: stderr).
+    """
+
+    def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None):
         self.path = Path(path)
+        self._warn = warn or _warn_stderr
+        self._warned: set[str] = set()
 
+    # --- checks (read only) -------------------------------------------------------------------------------------
     @classmethod
     def check(cls, path: Path, resolved_config: dict, *, overwrite: bool = False) -> bool:
-        """Whether ``path`` holds a run of another config (True: it will be replaced; only with ``overwrite``)."""
-        config_path = Path(path) / CONFIG_FILE
+        """Whether the run folder ``path`` must be started afresh (True: only with ``overwrite``), after the checks
+        that need nothing but the folder; reads, never writes.
+
+        One-line :class:`KvevalError` when ``path`` is a file, holds files that are not a kveval run's (never
+        replaced, whatever ``overwrite`` says), holds a run of another config, or is damaged (its config not a
+        readable YAML file, its records not a regular file, records without a config) and ``overwrite`` is off.
+        """
+        path = Path(path)
+        kind = folder_kind(path)
+        if kind == "file":
+            raise KvevalError(f"{path} is a file, not a folder; set output: to a folder (new, or a kveval run folder)")
+        if kind == "foreign":
+            try:
+                example = sorted(n for n in os.listdir(path) if not is_own_name(n))[:2]
+            except OSError:
+                example = []
+            raise KvevalError(
+                f"{path} holds files that are not a kveval run's ({', '.join(map(repr, example))}); kveval writes "
+                "only into a new or empty folder or a run folder of its own, and never deletes a foreign one: "
+                "set output: to another folder"
+            )
+        if kind in ("absent", "empty"):
+            return False
+        damage = cls._damage(path)
+        if damage is not None:
+            if overwrite:
+                return True
+            raise KvevalError(f"{path} is a damaged run folder: {damage}; rerun with --overwrite to start it "
+                              "afresh, or set output: to another folder")
+        config_path = path / CONFIG_FILE
         if not config_path.exists():
             return False
         same = yaml.safe_load(config_path.read_text()) == yaml.safe_load(yaml.safe_dump(resolved_config, sort_keys=False))
@@ -82,57 +214,213 @@ class RunDir:
             )
         return not same
 
+    @staticmethod
+    def _damage(path: Path) -> str | None:
+        """What makes a run folder unusable without starting afresh, in words, or None."""
+        config_path, records_path = path / CONFIG_FILE, path / RECORDS_FILE
+        why = _not_regular(config_path)
+        if why:
+            return f"{CONFIG_FILE} is {why}"
+        if config_path.exists():
+            try:
+                yaml.safe_load(config_path.read_text())
+            except (OSError, UnicodeDecodeError) as exc:
+                return f"{CONFIG_FILE} cannot be read ({getattr(exc, 'strerror', None) or exc})"
+            except yaml.YAMLError:
+                return f"{CONFIG_FILE} is not valid YAML"
+        elif os.path.lexists(records_path):
+            return f"it has {RECORDS_FILE} but no {CONFIG_FILE} (which config made them is unknown)"
+        why = _not_regular(records_path)
+        if why:
+            return f"{RECORDS_FILE} is {why}"
+        why = _not_regular(path / MARKER_FILE)
+        if why:
+            return f"{MARKER_FILE} is {why}"
+        for name in (ENV_FILE, METRICS_FILE, SCALES_FILE, SCALES_USED_FILE):  # replaced atomically: a link is fine
+            p = path / name
+            if p.is_dir() and not p.is_symlink():
+                return f"{name} is a folder"
+        return None
+
     @classmethod
-    def open(cls, path: Path, resolved_config: dict, *, overwrite: bool = False) -> RunDir:
-        """Create the folder, or reuse it for the same config (resume); replace another config's only with overwrite."""
-        run = cls(path)
-        config_path = run.path / CONFIG_FILE
+    def check_tokens(cls, path: Path, digest: dict) -> None:
+        """Refuse (one-line :class:`KvevalError`) to resume the run folder ``path`` on token ids other than those
+        its records were computed on (``digest``: :func:`tokens_digest`). A folder that recorded none (new, or
+        made by an older kveval) passes."""
+        before = cls(path).marker().get("tokens")
+        if not isinstance(before, dict) or before.get("sha256") in (None, digest["sha256"]):
+            return
+        raise KvevalError(
+            f"{path}: its records were computed on other corpus tokens ({before.get('count')} tokens, sha256 "
+            f"{str(before.get('sha256'))[:12]}; now {digest['count']} tokens, sha256 {digest['sha256'][:12]}): the "
+            "corpus or the tokenizer changed since; rerun with --overwrite to start afresh, or set output: to "
+            "another folder"
+        )
+
+    # --- opening (the first write) ------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: Path, resolved_config: dict, *, overwrite: bool = False, reset: bool = False,
+             warn: Callable[[str], None] | None = None) -> RunDir:
+        """Make ``path`` ready for this config: after :meth:`check` (repeated here), start it afresh when it holds
+        another config (only with ``overwrite``) or when ``reset`` (the caller's own reason: changed scales), by
+        removing kveval's own files only; mark it as kveval's; write the resolved config; cut a torn last record.
+        Call it once every check has passed: it is the first write."""
+        run = cls(path, warn=warn)
         text = yaml.safe_dump(resolved_config, sort_keys=False)
-        if cls.check(path, resolved_config, overwrite=overwrite):
-            shutil.rmtree(run.path)
-        run.path.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(config_path, text)
+        replace = cls.check(path, resolved_config, overwrite=overwrite) or reset
+        try:
+            run.path.mkdir(parents=True, exist_ok=True)
+            if replace:
+                run._clear()
+            if _not_regular(run.path / MARKER_FILE) is None and not (run.path / MARKER_FILE).exists():
+                run._write_marker({"format": MARKER_FORMAT, "created": now().isoformat(timespec="seconds"),
+                                   "kveval": _version()})
+            atomic_write_text(run.path / CONFIG_FILE, text)
+            end_with_newline(run.records_path)
+        except OSError as exc:
+            raise KvevalError(f"cannot write the run folder {run.path}: {exc.strerror or exc}; make it writable, "
+                              "or set output: to another folder") from None
+        run.records()  # warn now about damaged lines, before the work starts
         return run
+
+    def _clear(self) -> None:
+        """Remove kveval's own files (never the user's, never the lock, never the folder itself)."""
+        for name in os.listdir(self.path):
+            if name == LOCK_FILE or not is_own_name(name):
+                continue
+            p = self.path / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+
+    # --- the marker and the folder's state ---------------------------------------------------------------------
+    def marker(self) -> dict:
+        """The marker's content (``{}`` when absent or unreadable)."""
+        p = self.path / MARKER_FILE
+        if _not_regular(p) is not None or not p.exists():
+            return {}
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _write_marker(self, data: dict) -> None:
+        atomic_write_json(self.path / MARKER_FILE, data)
+
+    def record_tokens(self, digest: dict) -> None:
+        """Check (:meth:`check_tokens`) and remember the token ids the records are computed on. A folder whose
+        records predate the hash adopts it, with a warning."""
+        self.check_tokens(self.path, digest)
+        marker = self.marker()
+        if marker.get("tokens") == digest:
+            return
+        if not isinstance(marker.get("tokens"), dict) and self.records():
+            self._warn_once(f"{self.records_path}: records made before kveval recorded the corpus tokens' hash; "
+                            "assuming they were computed on the same corpus")
+        marker.setdefault("format", MARKER_FORMAT)
+        marker["tokens"] = digest
+        try:
+            self._write_marker(marker)
+        except OSError as exc:
+            raise KvevalError(f"cannot write {self.path / MARKER_FILE}: {exc.strerror or exc}") from None
 
     # --- records ------------------------------------------------------------------------------------------------
     @property
     def records_path(self) -> Path:
         return self.path / RECORDS_FILE
 
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            self._warn(message)
+
     def records(self) -> list[dict]:
-        """Every complete record, in order (:func:`kveval.fileio.read_jsonl`: a line cut short by a killed process,
-        the last one, is ignored; reading stops at a line that is not JSON)."""
-        return read_jsonl(self.records_path)
+        """Every complete record, once: the first record of each key, in file order.
+
+        Skipped, with one warning each time the set of skipped lines changes: lines that are not JSON (a torn
+        last line is silently dropped), documents that are not objects with a string ``key``, and later records
+        of a key already seen (a double run of an older kveval). The later lines still count.
+        """
+        try:
+            got = scan_jsonl(self.records_path)
+        except OSError as exc:
+            raise KvevalError(f"cannot read {self.records_path} ({exc.strerror or exc}); this run folder is "
+                              "damaged: rerun with --overwrite to start it afresh") from None
+        out: list[dict] = []
+        seen: set[str] = set()
+        keyless = duplicates = 0
+        for doc in got.objects:
+            if not isinstance(doc, dict) or not isinstance(doc.get("key"), str):
+                keyless += 1
+                continue
+            if doc["key"] in seen:
+                duplicates += 1
+                continue
+            seen.add(doc["key"])
+            out.append(doc)
+        if got.bad_lines or keyless:
+            lines = got.bad_lines[:5]
+            where = f" (line{'s' if len(lines) > 1 else ''} {', '.join(map(str, lines))}" + (
+                ", ...)" if len(got.bad_lines) > 5 else ")") if lines else ""
+            parts = []
+            if got.bad_lines:
+                parts.append(f"{len(got.bad_lines)} line{'s' if len(got.bad_lines) > 1 else ''} that are not "
+                             f"JSON{where}")
+            if keyless:
+                parts.append(f"{keyless} line{'s' if keyless > 1 else ''} that are not records (no 'key')")
+            self._warn_once(f"{self.records_path}: skipped {' and '.join(parts)}; the units they held are "
+                            "recomputed")
+        if duplicates:
+            self._warn_once(f"{self.records_path}: {duplicates} duplicate record{'s' if duplicates > 1 else ''} "
+                            "ignored (the first record of each key counts)")
+        return out
 
     def done_keys(self) -> set[str]:
+        """The keys of every complete record."""
         return {record_key(r) for r in self.records()}
 
     def repair(self) -> None:
-        """Cut a torn last line left by a killed process, so that appends start on a fresh line."""
-        if not self.records_path.exists():
-            return
-        data = self.records_path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            keep = data[: data.rfind(b"\n") + 1]
-            self.records_path.write_bytes(keep)
+        """Make the log end on a line boundary, so that appends start on a fresh line: a torn last line left by a
+        killed process is cut, a complete one that lost its newline gets it back (:meth:`open` does this)."""
+        try:
+            end_with_newline(self.records_path)
+        except OSError as exc:
+            raise KvevalError(f"cannot repair {self.records_path}: {exc.strerror or exc}") from None
 
     def append(self, record: dict) -> None:
-        """Append one record and flush it to disk before returning."""
-        line = json.dumps(record, allow_nan=True) + "\n"
-        with open(self.records_path, "a") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
+        """Append one record and flush it to disk before returning; never through a symbolic link."""
+        try:
+            append_line(self.records_path, json.dumps(record, allow_nan=True))
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise KvevalError(f"{self.records_path} is a symbolic link; kveval never writes through links "
+                                  "in a run folder: replace it with the file it points to") from None
+            raise KvevalError(f"cannot append to {self.records_path}: {exc.strerror or exc}") from None
+
+    def task_view(self, prefix: str = "") -> TaskRecords:
+        """The run as one task entry sees it (:class:`TaskRecords`)."""
+        return TaskRecords(self, prefix)
 
     # --- aggregates ---------------------------------------------------------------------------------------------
+    def _replace_json(self, name: str, data: dict) -> None:
+        try:
+            atomic_write_json(self.path / name, data)
+        except OSError as exc:
+            raise KvevalError(f"cannot write {self.path / name}: {exc.strerror or exc}; the records are safe: fix "
+                              "that and rerun the same command to finish") from None
+
     def write_env(self, env: dict, *, started: datetime, finished: datetime | None = None) -> None:
+        """``env.json`` with ``started`` and ``finished`` (ISO 8601; None while the run works), atomically."""
         env = dict(env)
         env["started"] = started.isoformat()
         env["finished"] = finished.isoformat() if finished else None
-        atomic_write_json(self.path / ENV_FILE, env)
+        self._replace_json(ENV_FILE, env)
 
     def write_metrics(self, metrics: dict) -> None:
-        atomic_write_json(self.path / METRICS_FILE, metrics)
+        """``metrics.json``, atomically."""
+        self._replace_json(METRICS_FILE, metrics)
 
     def metrics(self) -> dict:
         """``metrics.json`` (:func:`kveval.results.read.read_metrics`: a missing or corrupt file is a one-line
@@ -140,6 +428,94 @@ class RunDir:
         from kveval.results.read import read_metrics  # the reading side (pandas) only when asked
 
         return read_metrics(self.path)
+
+
+def task_prefix(kinds: Iterable[str], index: int) -> str:
+    """The key prefix of task entry ``index`` of a config whose entries have these ``kinds``: ``""`` for the first
+    entry of its kind (so run folders made before prefixes resume as they are), ``"tasks[i]/"`` for a later entry
+    of the same kind (two perplexity tasks in one config no longer share keys)."""
+    kinds = list(kinds)
+    return f"tasks[{index}]/" if kinds[index] in kinds[:index] else ""
+
+
+class _LookedUp(Set[str]):
+    """The recorded keys of one task entry; every ``key in done`` marks ``key`` as expected by the task."""
+
+    def __init__(self, view: TaskRecords, stored: set[str]):
+        self._view = view
+        self._stored = stored
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        self._view.expected.add(key)
+        found = self._view.prefix + key in self._stored
+        self._view.resumed = self._view.resumed or found
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        n = len(self._view.prefix)
+        return iter(sorted(k[n:] for k in self._stored if k.startswith(self._view.prefix)))
+
+    def __len__(self) -> int:
+        return sum(1 for k in self._stored if k.startswith(self._view.prefix))
+
+    @classmethod
+    def _from_iterable(cls, it: Iterable[Any]) -> frozenset[Any]:  # set operators (done | x) give plain sets
+        return frozenset(it)
+
+
+class TaskRecords:
+    """A run folder as one task entry sees it (``ctx.run`` inside a task's ``run``): ``done_keys``, ``append``,
+    ``records``, with the entry's key prefix added and removed out of the task's sight.
+
+    Which records count for the task: those of the keys it expects, and a task expects exactly the keys it looks up
+    in ``done_keys()`` (``key in done``, which every task does for every unit of its grid before computing or
+    skipping it) or appends. A record of a window, trial or cell that the config does not have (another config's,
+    a hand-edited line) is never looked up, so it never reaches the task's aggregate.
+    """
+
+    def __init__(self, run: RunDir, prefix: str = ""):
+        self.run = run
+        self.prefix = prefix
+        self.expected: set[str] = set()
+        self.resumed = False  # whether the task found any of its keys already recorded
+
+    @property
+    def path(self) -> Path:
+        return self.run.path
+
+    @property
+    def records_path(self) -> Path:
+        return self.run.records_path
+
+    def done_keys(self) -> Set[str]:
+        """The task's recorded keys (without the prefix); a lookup marks a key as expected."""
+        return _LookedUp(self, self.run.done_keys())
+
+    def append(self, record: dict) -> None:
+        """Append ``record`` under the entry's prefix (its ``key`` as the task sees it is expected from now on)."""
+        self.expected.add(record["key"])
+        self.run.append({**record, "key": self.prefix + record["key"]} if self.prefix else record)
+
+    def records(self) -> list[dict]:
+        """The first complete record of each expected key, in file order, keys without the prefix."""
+        n = len(self.prefix)
+        out = []
+        for rec in self.run.records():
+            key = rec["key"]
+            if key.startswith(self.prefix) and key[n:] in self.expected:
+                out.append({**rec, "key": key[n:]} if n else rec)
+        return out
+
+
+def _version() -> str | None:
+    try:
+        import kveval
+
+        return kveval.__version__
+    except Exception:  # pragma: no cover
+        return None
 
 
 def now() -> datetime:

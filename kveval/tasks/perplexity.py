@@ -4,6 +4,10 @@ Windows of ``seq_len`` tokens over the corpus (non-overlapping, or sliding with 
 scored by the previous window are scored). For each window the FP baseline runs once; each policy runs once
 under ``emulate`` (every token decoded through the quantized cache unless ``prefill_tokens`` > 0). Metrics are
 reduced on the fly: one record per (window, policy) in ``records.jsonl``, full logits are never stored.
+
+NaN or infinity in the logits stops the run with one line before that window's records are written (metrics are
+never NaN): in the baseline's logits it is the model's fault (overflowing weights or activations, e.g. float16),
+in a policy's logits (or in the keys/values its quantizer is given) the quantizer's or the emulation's.
 """
 
 from __future__ import annotations
@@ -90,6 +94,25 @@ def check(ctx, params: Params) -> None:
                           f"one window of seq_len {params.seq_len}")
 
 
+def _where(window, offset: int) -> str:
+    return f"window {window.index} (corpus tokens {window.start + offset}-{window.end + offset})"
+
+
+def _check_finite(logits: torch.Tensor, window, name: str, dtype: str, offset: int = 0) -> None:
+    """One line, naming whose fault it is, when the scored logits of a window hold NaN or infinity (``offset``:
+    the corpus position of the window's token 0, i.e. ``start_token``)."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    kind = "NaN" if bool(torch.isnan(logits).any()) else "infinity"
+    where = _where(window, offset)
+    if name == BASELINE:
+        raise KvevalError(f"the model's own logits hold {kind} in {where} without any KV quantization: the model "
+                          f"overflows in {dtype} (its weights or activations); try model.dtype float32, or another "
+                          "model")
+    raise KvevalError(f"policy '{name}': its logits hold {kind} in {where} where the baseline's are finite: a fault "
+                      "of the quantizer or of the emulation under this policy (please report it)")
+
+
 def run(ctx, params: Params) -> dict:
     """Evaluate every (window, policy) not yet recorded, then aggregate all records into metrics."""
     from kveval.patch import emulate
@@ -112,6 +135,7 @@ def run(ctx, params: Params) -> dict:
             with torch.no_grad():
                 base = _metric(model(ids[None]).logits[0, :-1])
             base_scored = base[scored]
+            _check_finite(base_scored, w, BASELINE, ctx.cfg.model.dtype, params.start_token)
             tgt = targets[scored]
             for name in names:
                 key = _record_key(w.index, name)
@@ -123,9 +147,17 @@ def run(ctx, params: Params) -> dict:
                     metrics = compare_logits(base_scored, base_scored, tgt)
                 else:
                     policy = ctx.policies[name]
-                    with emulate(model, policy, prefill_len=params.prefill_tokens, diagnostics=params.diagnostics) as emu:
-                        with torch.no_grad():
+                    try:
+                        with emulate(model, policy, prefill_len=params.prefill_tokens,
+                                     diagnostics=params.diagnostics) as emu, torch.no_grad():
                             logits = _metric(model(ids[None]).logits[0, :-1])
+                    except ValueError as exc:
+                        if "non-finite" not in str(exc):
+                            raise
+                        raise KvevalError(f"policy '{name}': the keys or values given to its quantizer hold NaN or "
+                                          f"infinity in {_where(w, params.start_token)} although the baseline's "
+                                          "logits are finite") from None
+                    _check_finite(logits[scored], w, name, ctx.cfg.model.dtype, params.start_token)
                     metrics = compare_logits(base_scored, logits[scored], tgt)
                     diag = emu.diagnostics() if params.diagnostics else None
                     layers_quantized = emu.layers_quantized

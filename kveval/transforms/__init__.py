@@ -3,7 +3,9 @@ the query and the attention output (``base`` has the interface and the order rul
 
 - ``base``: ``KVTransform`` (the hooks), ``TransformContext``, ``TransformChain`` (one layer's K or V side of a
   sequence), ``check_sequence``;
-- one module per transform: ``pre_rope`` (KVQuant's pre-RoPE keys);
+- one module per transform: ``pre_rope`` (KVQuant's pre-RoPE keys); llama.cpp's: ``gguf_order`` (Q/K channel
+  order of a Llama GGUF), ``hadamard`` (blocked Hadamard rotation of Q with K, V with the output),
+  ``query_quant`` (the query rounded to the keys' vec_dot type);
 - ``registry``: the registry (name -> class) and the config form (``"name"`` or ``{name: ..., param: ...}``).
 
 Pure maths: nothing here imports transformers; the hooks into a model live in ``kveval.patch``.
@@ -13,8 +15,11 @@ an import of it below, which registers it (tests and plug-ins may also call ``re
 """
 
 from kveval.transforms.base import KVTransform, TransformChain, TransformContext, check_sequence
+from kveval.transforms.gguf_order import GgufOrder
+from kveval.transforms.hadamard import Hadamard
 from kveval.transforms.pre_rope import PreRope
+from kveval.transforms.query_quant import QueryQuant
 from kveval.transforms.registry import make_transform, parse_transforms, register, transform_names
 
-__all__ = ["KVTransform", "PreRope", "TransformChain", "TransformContext", "check_sequence", "make_transform",
-           "parse_transforms", "register", "transform_names"]
+__all__ = ["GgufOrder", "Hadamard", "KVTransform", "PreRope", "QueryQuant", "TransformChain", "TransformContext",
+           "check_sequence", "make_transform", "parse_transforms", "register", "transform_names"]

@@ -217,7 +217,8 @@ def test_float64_is_computed_in_float64():
     assert torch.equal(fake_quantize(x, spec), ref)
 
 
-@pytest.mark.parametrize("name", [n for n in QUANTIZED if preset(n).mapping == "symmetric"])
+# iq4_nl is symmetric but its non-linear codebook has no 0 (the entry nearest 0 is +1): zero becomes d
+@pytest.mark.parametrize("name", [n for n in QUANTIZED if preset(n).mapping == "symmetric" and n != "iq4_nl"])
 def test_symmetric_keeps_zero_exact(name):
     x = sample((1, 2, 32, 128))
     x[:, :, ::3, ::5] = 0.0

@@ -3,7 +3,8 @@
     from kveval.quant.formats import QuantFormat, register_format, get_format, format_names
 
 Built in (in registration order): 'int' (`integer.py`), 'fp8_e4m3', 'fp8_e5m2' (`fp8.py`), 'none' (`none.py`),
-and the ggml block types 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1' (`ggml.py`, named by `QuantSpec.ggml`).
+the ggml block types 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1' (`ggml.py`, named by `QuantSpec.ggml`), then
+llama.cpp's run-time cache writes 'iq4_nl' (`iq4_nl.py`) and 'q8_0_x86' (`q8_0_x86.py`), also named by `ggml`.
 `QuantSpec` validation asks this registry, so a format registered from outside kveval is accepted as
 ``QuantSpec(format=its_name, ...)`` and is quantized, packed, stored by the real cache and billed like the others.
 

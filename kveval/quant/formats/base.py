@@ -35,8 +35,12 @@ if TYPE_CHECKING:
 
 #: storage dtypes of scales (and float zero points), by QuantSpec.scale_dtype
 SCALE_TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                              "bfloat16": torch.bfloat16}
-SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+                                              "bfloat16": torch.bfloat16, "float64": torch.float64}
+#: QuantSpec.scale_dtype "model": the scales take the dtype of the tensor quantized (the model's K/V dtype), as
+#: optimum-quanto's MaxOptimizer does (its scale and shift are computed in the base tensor's dtype); resolved by
+#: `kveval.quant.primitives` from the tensor (or, for byte counts, from the element dtype given)
+MODEL_DTYPE = "model"
+SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", MODEL_DTYPE: "model-dtype"}
 NONFINITE = "non-finite values in input to quantize"
 
 
@@ -207,8 +211,10 @@ class QuantFormat(ABC):
 
     def param_nbytes(self, spec: QuantSpec) -> int:
         """Bytes of one statistics group's parameters: the scale, plus the zero point for asymmetric mappings
-        (1 byte for an int zero point, else the scale's size)."""
-        n = torch.empty((), dtype=SCALE_TORCH_DTYPES[spec.scale_dtype]).element_size()
+        (1 byte for an int zero point, else the scale's size). A ``model`` scale dtype not yet resolved
+        (`QuantSpec.resolved`) counts 2 bytes, a 16-bit serving model's; `packed_nbytes` resolves it first."""
+        sdt = torch.float16 if spec.scale_dtype == MODEL_DTYPE else SCALE_TORCH_DTYPES[spec.scale_dtype]
+        n = torch.empty((), dtype=sdt).element_size()
         if spec.mapping == "asymmetric":
             n += 1 if spec.zero_point == "int" else n
         return n

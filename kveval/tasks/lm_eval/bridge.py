@@ -61,14 +61,11 @@ def resolve_policy(kv: str | dict | KVPolicy) -> KVPolicy:
     kv = str(kv)
     path = Path(kv).expanduser()
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
-        import yaml
+        from kveval.schema import load_yaml, read_text_file
 
         if not path.is_file():
             raise KvevalError(f"policy file {kv!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise KvevalError(f"policy file {kv}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        data = load_yaml(read_text_file(path, "policy file", max_bytes=1 << 20), f"policy file {kv}")
         return KVPolicy.from_config(data, name=path.stem)
     return KVPolicy.preset(kv)
 

@@ -15,6 +15,15 @@ filter of that metric, and stay ``<metric>,<filter>`` otherwise.
 against the working directory, like every path in a kveval config (``output:``, ``data:``), and, when no such
 folder exists there, against the kveval source checkout (the folder that holds ``kveval/`` and ``configs/``), so
 the shipped ``configs/lm_eval.yaml`` runs from any directory inside a checkout.
+
+Code: lm-eval imports Python from an include folder (a task YAML's ``!function utils.f`` loads ``utils.py`` beside
+it). A config is pure data, so an include folder that holds code (a ``.py`` file, a ``!function`` tag or
+``trust_remote_code`` in a YAML under it or in a YAML it includes) is refused unless the run was started with
+``--allow-code`` (``cfg.allow_code``; never a config key). Without it, lm-eval's Jinja templates (``doc_to_text``
+...) also render in Jinja's sandbox, so that a template cannot reach Python internals either. The one folder
+trusted without the flag is kveval's own example, ``tests/lmeval_tasks`` of the kveval checkout
+(:data:`SHIPPED_TASKS`): its code is kveval's code, as trusted as the rest of it (a folder of that name elsewhere,
+e.g. under the working directory, is not).
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ from kveval.results.layout import BASELINE
 from kveval.schema import Strict
 
 NAME = "lm_eval"
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[3]  # the checkout: kveval/tasks/lm_eval/task.py -> the folder of kveval/
+SHIPPED_TASKS = (REPO_ROOT / "tests" / "lmeval_tasks").resolve()  # kveval's own example tasks (its own code)
 _TASK_MANAGERS: dict = {}
 
 
@@ -40,10 +50,10 @@ class Params(Strict):
     """lm-evaluation-harness tasks (log-likelihood under emulation, generation through the quantized cache)."""
 
     tasks: list[str] = Field(min_length=1)
-    num_fewshot: int | None = Field(0, ge=0)  # None: each task's own default
+    num_fewshot: int | None = Field(0, ge=0, le=1000)  # None: each task's own default
     limit: int | None = Field(None, gt=0)
     include_path: str | None = None
-    batch_size: int = Field(1, gt=0)
+    batch_size: int = Field(1, gt=0, le=4096)
     prefill: Literal["none", "context"] = "none"
 
 
@@ -61,6 +71,102 @@ def resolve_include_path(path: str | None) -> str | None:
         if c.is_dir():
             return str(c.resolve())
     raise KvevalError(f"tasks: lm_eval.include_path {path!r} is not a folder (relative paths: from the working directory)")
+
+
+MAX_INCLUDE_FILES = 10_000
+_CODE_SIGNS = ("!function", "trust_remote_code")
+
+
+def include_code(folder: str | Path) -> str | None:
+    """The first sign of code in an lm-eval include folder, as a short phrase (``"utils.py"``, ``"t.yaml: !function"``),
+    or None: a ``.py`` file anywhere under it, or a YAML under it (or included by one, wherever it lives) with a
+    ``!function`` tag or ``trust_remote_code`` (a comment that mentions them counts too: the check reads text).
+    KvevalError for a folder too large to be a task folder (``MAX_INCLUDE_FILES``)."""
+    import os
+
+    root = Path(folder)
+    seen: set[Path] = set()
+    todo: list[Path] = []
+    count = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for fname in files:
+            count += 1
+            if count > MAX_INCLUDE_FILES:
+                raise KvevalError(f"include_path '{folder}' holds more than {MAX_INCLUDE_FILES} files; point it at a "
+                                  "folder of task YAMLs")
+            path = Path(dirpath) / fname
+            if fname.endswith((".py", ".pyc", ".pyw", ".so")):
+                return str(path.relative_to(root))
+            if fname.endswith((".yaml", ".yml")):
+                todo.append(path)
+    while todo:
+        path = todo.pop()
+        real = path.resolve()
+        if real in seen or len(seen) > MAX_INCLUDE_FILES:
+            continue
+        seen.add(real)
+        try:
+            text = real.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue  # lm-eval cannot read it either
+        where = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+        for sign in _CODE_SIGNS:
+            if sign in text:
+                return f"{where}: {sign}"
+        todo.extend(_yaml_includes(text, real.parent))
+    return None
+
+
+def _yaml_includes(text: str, base: Path) -> list[Path]:
+    """The files a task YAML includes (``include: other.yaml`` or a list), resolved as lm-eval resolves them."""
+    import re
+
+    out = []
+    for m in re.finditer(r"^include\s*:\s*(.*)$((?:\n[ \t]*-.*$)*)", text, flags=re.MULTILINE):
+        values = [m.group(1)] + re.findall(r"^[ \t]*-\s*(.*)$", m.group(2), flags=re.MULTILINE)
+        for v in values:
+            v = v.split(" #")[0].strip().strip("'\"[]")
+            for item in (x.strip().strip("'\"") for x in v.split(",")):
+                if item:
+                    p = Path(item).expanduser()
+                    out.append(p if p.is_absolute() else base / p)
+    return out
+
+
+def check_include_path(path: str | None, *, allow_code: bool) -> str | None:
+    """The include folder, resolved (:func:`resolve_include_path`), after refusing one that holds code unless
+    ``allow_code`` (or it is kveval's own :data:`SHIPPED_TASKS`): a one-line KvevalError that names the code and
+    the opt-in."""
+    resolved = resolve_include_path(path)
+    if resolved is not None and not allow_code and Path(resolved).resolve() != SHIPPED_TASKS:
+        found = include_code(resolved)
+        if found is not None:
+            raise KvevalError(
+                f"tasks: lm_eval.include_path {path!r} holds code that lm-eval would run ({found}); a config is "
+                "pure data: pass --allow-code to kveval run/validate if you trust that folder"
+            )
+    return resolved
+
+
+@contextmanager
+def sandboxed_templates(enabled: bool = True):
+    """Render lm-eval's Jinja task templates in Jinja's sandbox (no attribute access to Python internals) while
+    the block runs; ``enabled=False`` leaves lm-eval as it is."""
+    if not enabled:
+        yield
+        return
+    import lm_eval.utils as lm_utils
+    from jinja2.sandbox import SandboxedEnvironment
+
+    original = lm_utils.env
+    sandbox = SandboxedEnvironment(loader=original.loader, undefined=original.undefined,
+                                   keep_trailing_newline=original.keep_trailing_newline)
+    sandbox.filters.update(original.filters)
+    lm_utils.env = sandbox
+    try:
+        yield
+    finally:
+        lm_utils.env = original
 
 
 def task_manager(include_path: str | None, names: list[str]):
@@ -82,15 +188,83 @@ def task_manager(include_path: str | None, names: list[str]):
     return _TASK_MANAGERS[key]
 
 
+def _allow_code(ctx) -> bool:
+    return bool(getattr(ctx.cfg, "allow_code", False))
+
+
 def check(ctx, params: Params) -> None:
-    """Unknown lm-eval task names and a missing include folder: one line, before the results folder is touched."""
-    tm = task_manager(resolve_include_path(params.include_path), params.tasks)
+    """Unknown lm-eval task names, a missing include folder, an include folder with code (without
+    ``--allow-code``): one line, before the results folder is touched and before lm-eval reads the folder."""
+    tm = task_manager(check_include_path(params.include_path, allow_code=_allow_code(ctx)), params.tasks)
     for name in params.tasks:
         if name not in tm.all_tasks:
             close = difflib.get_close_matches(name, tm.all_tasks, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else " (lm-eval ls tasks lists them)"
             where = f" (include_path {params.include_path})" if params.include_path else ""
             raise KvevalError(f"tasks: lm_eval: unknown lm-eval task '{name}'{where}{hint}")
+    with _quiet_lm_eval(), sandboxed_templates(not _allow_code(ctx)):
+        check_documents(tm, params)
+
+
+def _leaf_tasks(tasks: dict) -> list:
+    """The Task objects of ``get_task_dict``'s (possibly nested, for groups) result."""
+    out = []
+    for value in tasks.values():
+        out.extend(_leaf_tasks(value) if isinstance(value, dict) else [value])
+    return out
+
+
+def check_documents(tm, params: Params) -> None:
+    """Every lm-eval task loads, and no evaluated document (the first ``limit``) has a null in a field that its
+    text, target or choice template names (Jinja would render it as the text 'None' and score it): one line
+    naming the task, the document and the field."""
+    import lm_eval.utils as lm_utils
+    from jinja2 import meta
+    from jinja2.exceptions import SecurityError
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        tasks = get_task_dict(list(params.tasks), tm)
+    except KvevalError:
+        raise
+    except SecurityError as exc:
+        raise KvevalError(f"tasks: lm_eval: a template of {params.tasks} reaches into Python ({exc}); refused "
+                          "without --allow-code") from None
+    except Exception as exc:  # lm-eval and datasets raise many kinds (ValueError, DatasetGenerationError, ...)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise KvevalError(f"tasks: lm_eval: the tasks {params.tasks} cannot be loaded ({type(exc).__name__}: "
+                          f"{first[:300]})") from None
+    for task in _leaf_tasks(tasks):
+        config = getattr(task, "config", None)
+        features = set(getattr(task, "features", None) or [])
+        fields: dict[str, str] = {}
+        for attr in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+            template = getattr(config, attr, None)
+            if not isinstance(template, str):
+                continue
+            if template in features:
+                names = {template}
+            else:
+                try:
+                    names = meta.find_undeclared_variables(lm_utils.env.parse(template))
+                except Exception:
+                    continue  # lm-eval reports a broken template itself
+            fields.update({n: attr for n in names})
+        docs = task.eval_docs
+        count = len(docs) if params.limit is None else min(params.limit, len(docs))
+        for i in range(count):
+            doc = docs[i]
+            if not isinstance(doc, dict):
+                continue
+            for field, attr in fields.items():
+                value = doc.get(field, "")
+                bad = value is None or (isinstance(value, list) and any(v is None for v in value))
+                if bad:
+                    raise KvevalError(
+                        f"tasks: lm_eval: task '{getattr(config, 'task', '?')}' document {i} (line {i + 1} of a "
+                        f"JSONL source) has {field}: null, which {attr} would render as the text 'None'; fix the "
+                        "data (a text field must be a string)"
+                    )
 
 
 @contextmanager
@@ -127,25 +301,30 @@ def metric_values(task_results: dict) -> dict:
 def evaluate_one(ctx, params: Params, tm, task: str, policy) -> dict:
     """One task under one policy (``policy=None``: the FP baseline): the record's metrics per (sub)task."""
     import lm_eval
+    from jinja2.exceptions import SecurityError
 
     from kveval.tasks.lm_eval.bridge import KVEvalLM
 
-    with _quiet_lm_eval():
+    with _quiet_lm_eval(), sandboxed_templates(not _allow_code(ctx)):
         lm = KVEvalLM(
             pretrained=ctx.model, tokenizer=ctx.tokenizer, kv=policy if policy is not None else "fp16",
             prefill=params.prefill, batch_size=params.batch_size,
         )
-        res = lm_eval.simple_evaluate(
-            model=lm, tasks=[task], num_fewshot=params.num_fewshot, limit=params.limit, task_manager=tm,
-            log_samples=False,
-        )
+        try:
+            res = lm_eval.simple_evaluate(
+                model=lm, tasks=[task], num_fewshot=params.num_fewshot, limit=params.limit, task_manager=tm,
+                log_samples=False,
+            )
+        except SecurityError as exc:
+            raise KvevalError(f"lm-eval task '{task}': a template reaches into Python ({exc}); refused without "
+                              "--allow-code") from None
     results = {name: metric_values(r) for name, r in res["results"].items()}
     return {"results": results, "layers_quantized": lm.get_model_info()["layers_quantized"]}
 
 
 def run(ctx, params: Params) -> dict:
     """Evaluate every (task, policy) not yet recorded, then aggregate all records into metrics."""
-    tm = task_manager(resolve_include_path(params.include_path), params.tasks)
+    tm = task_manager(check_include_path(params.include_path, allow_code=_allow_code(ctx)), params.tasks)
     names = [BASELINE, *ctx.policies]
     done = ctx.run.done_keys()
     pairs = [(t, n) for t in params.tasks for n in names]

@@ -19,11 +19,16 @@ Budget syntax (``parse_budget``):
     0.28x  28%                 fraction of the FP16 cache
     int4_g64                   the memory of that uniform policy (any ``kveval ls`` policy preset)
 
+Inputs are checked before any planning (one :class:`KvevalError` line each): ``check_scan`` for a scan's
+``metrics.json`` (fields missing, of the wrong type, non-finite, layers outside the architecture: a hand-edited or
+foreign file), ``read_plan_file`` for a ``.plan.json`` that a planned config names.
+
 Pure: no transformers import.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -187,12 +192,109 @@ class Plan:
         return 8 * self.total_bytes / (2 * self.arch.layers * self.arch.kv_heads * self.context * self.arch.head_dim)
 
 
-def scan_table(metrics: dict) -> dict[tuple[int, str, str], dict]:
-    """(layer, tensor, spec) -> scan cell, from a scan run's metrics."""
-    cells = (metrics.get("sensitivity") or {}).get("cells")
-    if not cells:
+MAX_CONTEXT = 10**8  # tokens: a plan's memory bill at more than this is a typo
+MAX_LAYERS = 4096
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value, least: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def check_scan(metrics) -> Arch:
+    """The architecture of a scan's ``metrics.json``, after checking every field the planner reads: a KvevalError
+    line naming the first field that is missing or wrong (a hand-edited file, or the metrics of another run)."""
+    bad = "the scan's metrics.json"
+    if not isinstance(metrics, dict):
+        raise KvevalError(f"{bad} is not a JSON object")
+    sens = metrics.get("sensitivity")
+    if not isinstance(sens, dict) or not sens.get("cells"):
         raise KvevalError("these results hold no sensitivity scan (run kveval scan configs/layer_scan.yaml first)")
-    return {(c["layer"], c["tensor"], c["spec"]): c for c in cells}
+    memory = metrics.get("memory")
+    arch_fields = memory.get("arch") if isinstance(memory, dict) else None
+    if not isinstance(arch_fields, dict):
+        raise KvevalError(f"{bad} has no memory.arch (the model's shape); rerun the scan")
+    try:
+        arch = Arch(**arch_fields)
+    except (TypeError, ValueError, KvevalError) as exc:
+        raise KvevalError(f"{bad}: memory.arch is not a model shape ({str(exc).splitlines()[0][:200]})") from None
+    for name in ("layers", "kv_heads", "head_dim"):
+        if not _count(getattr(arch, name, None)):
+            raise KvevalError(f"{bad}: memory.arch.{name} is {getattr(arch, name, None)!r}, not a positive integer")
+    if arch.layers > MAX_LAYERS:
+        raise KvevalError(f"{bad}: memory.arch.layers {arch.layers} is more than any model has ({MAX_LAYERS})")
+    if not _count(memory.get("context")):
+        raise KvevalError(f"{bad}: memory.context is {memory.get('context')!r}, not a positive integer")
+    specs = sens.get("specs")
+    if not isinstance(specs, list) or not specs or not all(isinstance(x, str) for x in specs):
+        raise KvevalError(f"{bad}: sensitivity.specs is {specs!r}, not a list of spec names")
+    for name in specs:
+        try:
+            preset(name)
+        except (KvevalError, ValueError) as exc:
+            raise KvevalError(f"{bad}: sensitivity.specs: {str(exc).splitlines()[0]}") from None
+    for key, least in (("seq_len", 2), ("token_end", 0)):
+        if key in sens and sens[key] is not None and not _count(sens[key], least):
+            raise KvevalError(f"{bad}: sensitivity.{key} is {sens[key]!r}, not an integer >= {least}")
+    if not isinstance(sens["cells"], list):
+        raise KvevalError(f"{bad}: sensitivity.cells is not a list")
+    for i, c in enumerate(sens["cells"]):
+        where = f"{bad}: sensitivity.cells[{i}]"
+        if not isinstance(c, dict):
+            raise KvevalError(f"{where} is not an object")
+        for key in ("layer", "tensor", "spec", "kld", "nll_delta"):
+            if key not in c:
+                raise KvevalError(f"{where} has no '{key}'")
+        if not _count(c["layer"], 0) or c["layer"] >= arch.layers:
+            raise KvevalError(f"{where}.layer is {c['layer']!r}, not a layer of the model (0-{arch.layers - 1})")
+        if c["tensor"] not in TENSORS:
+            raise KvevalError(f"{where}.tensor is {c['tensor']!r}, not key or value")
+        if c["spec"] not in specs:
+            raise KvevalError(f"{where}.spec is {c['spec']!r}, not one of sensitivity.specs {specs}")
+        for key in ("kld", "nll_delta"):
+            if not _number(c[key]):
+                raise KvevalError(f"{where}.{key} is {c[key]!r}, not a finite number")
+    return arch
+
+
+def scan_table(metrics: dict) -> dict[tuple[int, str, str], dict]:
+    """(layer, tensor, spec) -> scan cell, from a scan run's metrics (checked by :func:`check_scan`)."""
+    check_scan(metrics)
+    return {(c["layer"], c["tensor"], c["spec"]): c for c in metrics["sensitivity"]["cells"]}
+
+
+def read_plan_file(path: str | Path) -> dict:
+    """A ``.plan.json`` (written by ``kveval plan``) as a dict, after checking what a run reads from it: one
+    KvevalError line when it is missing, not JSON, or its predictions are not finite numbers."""
+    from kveval.schema import read_text_file
+
+    p = Path(path)
+    if not p.is_file():
+        what = "is not a file" if p.exists() else "does not exist"
+        raise KvevalError(f"plan: '{path}' {what}; rerun kveval plan, or remove the plan: line")
+    not_plan = f"plan: '{path}' is not a kveval plan file (.plan.json from kveval plan)"
+    try:
+        side = json.loads(read_text_file(p, "plan file", max_bytes=16 << 20))
+    except (ValueError, RecursionError):
+        raise KvevalError(f"{not_plan}: not valid JSON") from None
+    if not isinstance(side, dict):
+        raise KvevalError(f"{not_plan}: not a JSON object")
+    for key in ("predicted_kld_sum", "predicted_delta_ppl_pct"):
+        if not _number(side.get(key)):
+            raise KvevalError(f"{not_plan}: {key} is {side.get(key)!r}, not a finite number")
+    uniform = side.get("uniform", {})
+    if not isinstance(uniform, dict):
+        raise KvevalError(f"{not_plan}: uniform is not an object")
+    for name, u in uniform.items():
+        if not isinstance(u, dict) or not _number(u.get("predicted_kld_sum")):
+            raise KvevalError(f"{not_plan}: uniform.{name}.predicted_kld_sum is not a finite number")
+    for key in ("budget", "scan"):
+        if side.get(key) is not None and not isinstance(side[key], str):
+            raise KvevalError(f"{not_plan}: {key} is {side[key]!r}, not a string")
+    return side
 
 
 def candidate_costs(arch: Arch, specs: list[str], context: int) -> dict[tuple[int, str, str], int]:
@@ -209,8 +311,10 @@ def plan(metrics: dict, budget: Budget | str, *, context: int | None = None, ext
          allow_fp: bool = False) -> Plan:
     """The optimal plan under ``budget`` for a scan's metrics (``metrics.json`` of a sensitivity run)."""
     budget = parse_budget(budget) if not isinstance(budget, Budget) else budget
+    arch = check_scan(metrics)
     table = scan_table(metrics)
-    arch = Arch(**{k: v for k, v in metrics["memory"]["arch"].items()})
+    if context is not None and (not _count(context) or context > MAX_CONTEXT):
+        raise KvevalError(f"--context {context}: give a number of tokens between 1 and {MAX_CONTEXT}")
     context = context or metrics["sensitivity"].get("seq_len") or metrics["memory"]["context"]
     scanned = list(metrics["sensitivity"]["specs"])
     specs = scanned + [s for s in extra if s not in scanned] + (["none"] if allow_fp else [])

@@ -1,0 +1,68 @@
+"""llama.cpp's channel order of Q and K for Llama-family GGUF files.
+
+``convert_hf_to_gguf.py`` (``LlamaModel.permute``, applied to ``q_proj``/``k_proj`` weights and biases in
+``LlamaModel.modify_tensors``) permutes the rows of each head so that HF's rotate-half pairs ``(i, i + d/2)``
+become adjacent: GGUF channel ``2i + j`` holds HF channel ``j*d/2 + i`` (i < d/2, j in {0, 1}); llama.cpp then
+applies RoPE to adjacent pairs (``LLAMA_ROPE_TYPE_NORM``, ``llama_model_rope_type`` in src/llama-model.cpp). The
+keys in llama.cpp's cache are therefore in this interleaved order: a 32-element ggml block of a head_dim-64 key
+holds HF channels {16b .. 16b+15} and {32+16b .. 32+16b+15}, and the Hadamard groups (``hadamard``) act on this
+order. V and O are not permuted.
+
+This transform moves Q and K into that order together (``key_in(k) = k[..., perm]``, ``query(q) = q[..., perm]``,
+q·k unchanged) and keeps the cache in it (``key_out`` is the identity): put it first in a llama.cpp policy, before
+``hadamard`` and ``query_quant``. Shapes: ``[batch, heads, T, head_dim]``, head_dim even.
+
+Only for models whose GGUF conversion permutes (Llama, Mistral, SmolLM2, Granite and the other ``LlamaModel``
+subclasses of convert_hf_to_gguf.py). Qwen2/3, Gemma, Phi-3 and others are converted without the permutation and
+use NEOX RoPE in llama.cpp: their GGUF order equals HF's, so a llama.cpp policy for them leaves this transform out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import ClassVar
+
+import torch
+
+from kveval.transforms.base import KVTransform, TransformContext
+from kveval.transforms.registry import register
+
+
+@lru_cache(maxsize=16)
+def _perm(head_dim: int) -> torch.Tensor:
+    return torch.arange(head_dim).reshape(2, head_dim // 2).t().reshape(-1)
+
+
+def gguf_permutation(head_dim: int) -> torch.Tensor:
+    """Index map ``[head_dim]`` (int64): GGUF channel p holds HF channel ``perm[p]``, ``perm[2i + j] = j*d/2 + i``.
+    Worked: d = 8 -> [0, 4, 1, 5, 2, 6, 3, 7]."""
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"the GGUF Q/K permutation needs an even head_dim; got {head_dim}")
+    return _perm(head_dim)
+
+
+def to_gguf_order(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., head_dim]`` in HF channel order -> GGUF order (a new tensor)."""
+    return x.index_select(-1, gguf_permutation(x.shape[-1]).to(x.device))
+
+
+@register
+@dataclass(frozen=True)
+class GgufOrder(KVTransform):
+    """Q and K in the channel order of a Llama GGUF file (see the module docstring); the cache stays in it."""
+
+    name: ClassVar[str] = "gguf_order"
+
+    @property
+    def keeps_keys_transformed(self) -> bool:
+        return True
+
+    def key_in(self, k: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+        return to_gguf_order(k)
+
+    def query(self, q: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
+        return to_gguf_order(q)
+
+
+__all__ = ["GgufOrder", "gguf_permutation", "to_gguf_order"]
