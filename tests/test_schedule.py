@@ -265,3 +265,20 @@ def test_scale_dtype_model_follows_the_tensor():
         x = torch.randn(1, 1, 3, 32, dtype=dtype)
         qt = quantize(x, INT4_G32_MODEL)
         assert qt.scale.dtype == dtype and qt.zero_point.dtype == dtype and qt.spec.scale_dtype == name
+
+
+def test_per_tensor_modes_config_form():
+    cfg = {"key": "int2_g32", "value": "int2_g32", "residual": 8, "residual_mode": {"key": "block", "value": "sliding_lag"}}
+    p = KVPolicy.from_config(cfg, name="p")
+    assert p.residual_mode == ("block", "sliding_lag") and p.split_modes
+    assert p.to_config()["residual_mode"] == {"key": "block", "value": "sliding_lag"}
+    assert KVPolicy.from_config(p.to_config(), name="p") == p
+    assert "residual 8 (K block, V sliding_lag)" in p.describe()
+    same = KVPolicy.from_config({**cfg, "residual_mode": {"key": "block", "value": "block"}})
+    assert same.residual_mode == "block" and not same.split_modes
+    with pytest.raises(KvevalError, match="exactly the keys 'key' and 'value'"):
+        KVPolicy.from_config({**cfg, "residual_mode": {"key": "block"}})
+    with pytest.raises(KvevalError, match="residual_mode must be one of"):
+        KVPolicy.from_config({**cfg, "residual_mode": {"key": "block", "value": "windowed"}})
+    with pytest.raises(KvevalError, match="name the kind"):
+        p.full_precision_mask(4, 4)
