@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kveval.errors import KvevalError
 from kveval.stats import compare_logits
 
 SYSTEMS: dict[str, str] = {}
@@ -72,3 +73,20 @@ def compare(system: str, cache_type: str, preset: str, ids: torch.Tensor, *, ref
     gap = float((ref[sl].double() - kv[sl].double()).abs().max())
     return ParityRow(system, cache_type, preset, int(targets.numel()), *r, *k, float(between.mean()), gap,
                      between.tolist(), notes)
+
+
+def parse_cache_type(text: str, system: str, prefix: str, sizes) -> tuple[int, int]:
+    """``"{prefix}{bits}/p{prompt}"`` -> (bits, prompt), e.g. ``parse_cache_type("int4/p128", "hf_quanto", "int",
+    (4, 2)) == (4, 128)``; KvevalError naming the system when ``bits`` is not in ``sizes`` or the prompt is < 1."""
+    head, _, tail = text.strip().partition("/")
+    try:
+        bits = int(head.removeprefix(prefix))
+        prompt = int(tail.removeprefix("p"))
+    except ValueError:
+        bits = prompt = -1
+    if not head.startswith(prefix) or not tail.startswith("p") or bits not in sizes or prompt < 1:
+        choices = " or ".join(f"{prefix}{b}/pN" for b in sorted(sizes, reverse=prefix == "int"))
+        example = f"{prefix}{sorted(sizes, reverse=prefix == 'int')[0]}/p128"
+        raise KvevalError(f"{system} cache type '{text}': expected {choices} with N >= 1 (e.g. {example})")
+    return bits, prompt
+

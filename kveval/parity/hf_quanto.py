@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kveval.errors import KvevalError
-from kveval.parity import ParityRow, compare
+from kveval.parity import ParityRow, compare, parse_cache_type
 from kveval.policy import KVPolicy
 
 SYSTEM = "hf_quanto"
@@ -61,15 +61,7 @@ class CacheType:
     @classmethod
     def parse(cls, text: str) -> CacheType:
         """``int4/p128`` -> CacheType(4, 128)."""
-        head, _, tail = text.strip().partition("/")
-        try:
-            nbits = int(head.removeprefix("int"))
-            prompt = int(tail.removeprefix("p"))
-        except ValueError:
-            nbits = prompt = -1
-        if not head.startswith("int") or not tail.startswith("p") or nbits not in PRESETS or prompt < 1:
-            raise KvevalError(f"hf_quanto cache type '{text}': expected int4/pN or int2/pN with N >= 1 (e.g. int4/p128)")
-        return cls(nbits, prompt)
+        return cls(*parse_cache_type(text, SYSTEM, "int", PRESETS))
 
     @property
     def label(self) -> str:

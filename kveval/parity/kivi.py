@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kveval.errors import KvevalError
-from kveval.parity import ParityRow, compare
+from kveval.parity import ParityRow, compare, parse_cache_type
 from kveval.policy import KVPolicy
 
 SYSTEM = "kivi"
@@ -60,15 +60,7 @@ class CacheType:
 
     @classmethod
     def parse(cls, text: str) -> CacheType:
-        head, _, tail = text.strip().partition("/")
-        try:
-            bits = int(head.removeprefix("kivi"))
-            prompt = int(tail.removeprefix("p"))
-        except ValueError:
-            bits = prompt = -1
-        if not head.startswith("kivi") or not tail.startswith("p") or bits not in PRESETS or prompt < 1:
-            raise KvevalError(f"kivi cache type '{text}': expected kivi2/pN or kivi4/pN with N >= 1 (e.g. kivi2/p128)")
-        return cls(bits, prompt)
+        return cls(*parse_cache_type(text, "kivi", "kivi", PRESETS))
 
     @property
     def label(self) -> str:
