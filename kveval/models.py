@@ -40,6 +40,7 @@ import torch
 
 from .errors import KvevalError
 from .fileio import atomic_path
+from .memory.bill import sliding_window_layers
 from .paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -292,14 +293,8 @@ def model_info(model) -> dict:
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     n_layers = cfg.num_hidden_layers
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types:
-        sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
-    elif window and getattr(cfg, "use_sliding_window", True):
-        sliding = list(range(n_layers))
-    else:
-        sliding = []
+    window, sliding_layers = sliding_window_layers(cfg.to_dict(), n_layers)
+    sliding = list(sliding_layers)
     param = next(model.parameters())
     return {
         "name": getattr(model, "kveval_name", None) or getattr(model, "name_or_path", None) or "",
@@ -311,7 +306,7 @@ def model_info(model) -> dict:
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "context_limit": model_context_limit(model),
-        "sliding_window": window if sliding else None,
+        "sliding_window": window,
         "sliding_layers": sliding,
         "dtype": str(param.dtype).removeprefix("torch."),
         "device": str(param.device),

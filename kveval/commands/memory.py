@@ -23,6 +23,9 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
 
     heading = (f"{arch.name}: {arch.layers} layers x {arch.kv_heads} KV heads x head_dim {arch.head_dim}; "
                f"context {context:,}, batch {batch}, FP16 cache {format_bytes(fp16_bytes(arch, context, batch))}")
+    if arch.sliding_layers:
+        heading += (f"; sliding-window layers {', '.join(map(str, arch.sliding_layers))} hold "
+                    f"min(context, {arch.sliding_window:,}) tokens")
     if gpu_memory is not None:
         weights = arch.model_bytes
         heading += f"; GPU {format_bytes(parse_size(gpu_memory))}"

@@ -26,6 +26,12 @@ tokens of ``batch`` sequences (K/V tensors ``[batch, kv_heads, n, head_dim]``):
   tensor (static: one per head / one per layer and tensor, whatever the batch and context). Outliers
   (``spec.outliers``) are counted with the scales: ``k`` values per token row in ``fp_bytes`` plus a 1-byte index
   each.
+* a sliding-window layer (``Arch.sliding_layers``, read from the model config's ``layer_types`` /
+  ``sliding_window``) holds only the newest ``min(n, window)`` tokens, as engines keep them (transformers'
+  ``DynamicSlidingWindowLayer`` keeps ``window - 1`` between calls and reads them with the new token; vLLM's
+  hybrid allocator frees the blocks that left the window): its sinks, quantized middle and residual are cut at
+  position ``n - window`` (``token_split``); a per-channel block keeps its codes and scales until its last token
+  has left the window.
 
 Worked (the published figures, binary units, symmetric, float32 scales, no zero point), ``llama-7b-mha``
 (32 layers, 32 KV heads, head_dim 128), batch 1, 2048 tokens: FP16 = 2 * 32 * 32 * 2048 * 128 * 2 B = 1 GiB;
@@ -52,6 +58,7 @@ from kveval.quant import QuantSpec, packed_nbytes
 FP16_BYTES = 2
 _FP_DTYPES = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32, 8: torch.float64}
 DEFAULT_BLOCK_SIZE = 16
+MAX_CONTEXT = 2**31
 
 # name -> (layers, kv_heads, head_dim, parameters)
 NAMED_SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -84,11 +91,21 @@ class Arch:
     name: str = "custom"
     params: int | None = None
     weight_bytes_per_param: float = 2
+    sliding_window: int | None = None  # tokens a sliding-window layer keeps (None: no such layers)
+    sliding_layers: tuple[int, ...] = ()  # indices of the sliding-window layers
 
     def __post_init__(self) -> None:
         _positive_int(self.layers, "layers")
         _positive_int(self.kv_heads, "kv_heads")
         _positive_int(self.head_dim, "head_dim")
+        if self.sliding_window is not None:
+            _positive_int(self.sliding_window, "sliding_window")
+        object.__setattr__(self, "sliding_layers", tuple(sorted(set(self.sliding_layers))))
+        bad = [i for i in self.sliding_layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.layers]
+        if bad:
+            raise KvevalError(f"sliding layers {bad} are outside the model's {self.layers} layers (0..{self.layers - 1})")
+        if self.sliding_layers and self.sliding_window is None:
+            raise KvevalError("sliding layers given without a sliding window; give both or neither")
         if self.params is not None:
             _positive_int(self.params, "params")
         if not isinstance(self.weight_bytes_per_param, (int, float)) or self.weight_bytes_per_param <= 0:
@@ -111,7 +128,8 @@ class Arch:
     @classmethod
     def from_model_config(cls, config: Any, name: str | None = None, params: int | None = None) -> Arch:
         """From a transformers config (or its ``to_dict()``): ``num_hidden_layers``, ``num_key_value_heads``
-        (else ``num_attention_heads``), ``head_dim`` (else ``hidden_size // num_attention_heads``).
+        (else ``num_attention_heads``), ``head_dim`` (else ``hidden_size // num_attention_heads``), and the
+        sliding-window layers (``sliding_window_layers``: ``layer_types``, else ``sliding_window``).
 
         ``params`` defaults to an estimate for Llama-like decoders (attention + gated MLP + norms + embeddings),
         None when the config lacks ``intermediate_size`` or ``vocab_size``.
@@ -133,7 +151,9 @@ class Arch:
         if params is None:
             params = _estimate_params(cfg, layers, heads, kv_heads, head_dim)
         nm = name or cfg.get("_name_or_path") or cfg.get("model_type") or "custom"
-        return cls(layers=layers, kv_heads=kv_heads, head_dim=head_dim, name=str(nm), params=params)
+        window, sliding = sliding_window_layers(cfg, layers)
+        return cls(layers=layers, kv_heads=kv_heads, head_dim=head_dim, name=str(nm), params=params,
+                   sliding_window=window, sliding_layers=sliding)
 
     @classmethod
     def from_model(cls, model: Any, weight_bytes_per_param: float = 2) -> Arch:
@@ -142,6 +162,16 @@ class Arch:
         n = sum(p.numel() for p in model.parameters())
         return replace(arch, params=n, weight_bytes_per_param=weight_bytes_per_param)
 
+    def window(self, layer: int) -> int | None:
+        """The tokens layer ``layer`` keeps: ``sliding_window`` for a sliding-window layer, None (all) otherwise."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    def held_tokens(self, layer: int, n: int) -> int:
+        """Tokens layer ``layer`` holds once ``n`` are stored: ``min(n, sliding_window)`` in a sliding-window
+        layer (the window the newest token's query reads, its own token included), ``n`` otherwise."""
+        w = self.window(layer)
+        return n if w is None else min(n, w)
+
     @property
     def model_bytes(self) -> int | None:
         """Weight bytes: ``params * weight_bytes_per_param`` (None when the parameter count is unknown)."""
@@ -149,7 +179,25 @@ class Arch:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "params": self.params, "weight_bytes_per_param": self.weight_bytes_per_param}
+                "params": self.params, "weight_bytes_per_param": self.weight_bytes_per_param,
+                "sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
+
+
+def sliding_window_layers(cfg: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(window, sliding layer indices) of a config dict: the layers whose ``layer_types`` entry is
+    ``sliding_attention`` (Gemma 2/3, Qwen2 with ``use_sliding_window``, transformers v5), else every layer when
+    ``sliding_window`` is set and ``use_sliding_window`` is not false (Mistral-style); ``(None, ())`` otherwise."""
+    window = cfg.get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return None, ()
+    types = cfg.get("layer_types")
+    if types:
+        sliding = tuple(i for i, t in enumerate(types[:layers]) if t == "sliding_attention")
+    elif cfg.get("use_sliding_window", True):
+        sliding = tuple(range(layers))
+    else:
+        sliding = ()
+    return (window if sliding else None), sliding
 
 
 def _estimate_params(cfg: dict, layers: int, heads: int, kv_heads: int, head_dim: int) -> int | None:
@@ -191,7 +239,7 @@ class Bill:
 
     ``total = codes + scales + residual``; ``key`` / ``value`` split the sums by tensor; ``per_layer[i]`` is
     ``(key Part, value Part)`` of layer i; ``quantized_tokens`` / ``fp_tokens`` are per sequence, for the keys of
-    a layer whose specs quantize (sinks + residual window are ``fp_tokens``); ``value_tokens`` is the values'
+    a full-attention layer whose specs quantize (sinks + residual window are ``fp_tokens``); ``value_tokens`` is the values'
     ``(fp_tokens, quantized_tokens)`` (the same split unless keys and values follow different schedules).
     """
 
@@ -203,8 +251,10 @@ class Bill:
     per_layer: tuple[tuple[Part, Part], ...] = field(repr=False)
     quantized_tokens: int
     fp_tokens: int
-    elements: int  # K and V elements held (2 * layers * batch * kv_heads * context * head_dim)
+    elements: int  # K and V elements held (2 * sum over layers of held tokens * batch * kv_heads * head_dim)
     value_tokens: tuple[int, int] = (0, 0)
+    window: int | None = None  # the sliding window of ``sliding_layers`` (they hold min(context, window) tokens)
+    sliding_layers: tuple[int, ...] = ()
 
     @property
     def codes(self) -> int:
@@ -235,7 +285,8 @@ class Bill:
     def to_dict(self) -> dict:
         return {"policy": self.policy, "context": self.context, "batch": self.batch, "total": self.total,
                 "codes": self.codes, "scales": self.scales, "residual": self.residual,
-                "bytes_per_token": self.bytes_per_token, "key": self.key.to_dict(), "value": self.value.to_dict()}
+                "bytes_per_token": self.bytes_per_token, "key": self.key.to_dict(), "value": self.value.to_dict(),
+                "sliding_window": self.window, "sliding_layers": list(self.sliding_layers)}
 
 
 def as_policy(policy: KVPolicy | str) -> KVPolicy:
@@ -247,28 +298,69 @@ def as_policy(policy: KVPolicy | str) -> KVPolicy:
     raise KvevalError(f"expected a KV policy or a preset name; got {policy!r}")
 
 
-def token_split(policy: KVPolicy, n: int, kind: str = "key", prompt: int | None = None) -> tuple[int, int]:
-    """(full-precision tokens, quantized tokens) of ``kind`` in one sequence after ``n`` tokens are stored, the first
-    call having stored ``prompt`` of them (default ``n``), exactly as the real cache splits them: sinks
-    ``min(S, n)``, quantized ``[S, min(quantized_block_end(n), n))``, the rest residual."""
+def token_split(policy: KVPolicy, n: int, kind: str = "key", prompt: int | None = None,
+                window: int | None = None, block: int | None = None) -> tuple[int, int]:
+    """(full-precision tokens, quantized tokens) of ``kind`` held for one sequence after ``n`` tokens are stored,
+    the first call having stored ``prompt`` of them (default ``n``), exactly as the real cache holds them: sinks
+    ``min(S, n)``, quantized ``[S, min(quantized_block_end(n), n))``, the rest residual.
+
+    ``window``: a sliding-window layer keeps only positions ``[n - window, n)`` (all three parts are cut there);
+    ``block``: the token block of per-channel statistics (a dynamic channel spec), whose codes and scales are
+    dropped only when the whole block has left the window, so the quantized part then starts at the first
+    block that still holds a token of the window (blocks tile ``[S, origin)`` and then ``[origin, ...)``, origin
+    ``Schedule.origin(prompt)``: the chunks the cache stores). Worked: S = 0, R = block = 4, block mode,
+    n = 13, window 6: positions 7..12 are held; quantized end 12, block start of 7 is 4: quantized [4, 12) = 8
+    tokens (4..6 kept with their block), full precision [12, 13) = 1.
+    """
     p = n if prompt is None else min(max(prompt, 1), n)
     end = min(policy.quantized_block_end(n, kind, p), n)
-    quantized = max(end - policy.sink_tokens, 0)
-    return n - quantized, quantized
+    S = policy.sink_tokens
+    lo = 0 if window is None else max(n - window, 0)
+    sinks = max(min(S, n) - lo, 0)
+    fp = sinks + n - max(end, lo)
+    if lo >= end:
+        return fp, 0
+    start = max(S, lo)
+    if block is not None and lo > S:
+        origin = max(policy.schedule(kind).origin(p), S)
+        base = S if lo < origin else origin
+        start = base + (lo - base) // block * block
+    return fp, max(end - start, 0)
 
 
-def _tensor_part(spec: QuantSpec, policy: KVPolicy, arch: Arch, batch: int, n: int, fp_bytes: int, kind: str,
-                 prompt: int | None) -> Part:
+def check_sliding_window(policy: KVPolicy, window: int | None, sliding_layers: tuple[int, ...] | list[int],
+                         n_layers: int) -> None:
+    """Refuse a policy whose per-channel token blocks (a dynamic channel spec, quantized ``residual`` tokens at a
+    time) are longer than a sliding-window layer's window: the oldest tokens of a block would leave the window
+    before the block is complete, and its statistics could not be those of the whole block."""
+    if window is None:
+        return
+    for i in sliding_layers:
+        for kind, spec in zip(("key", "value"), policy.specs_for_layer(i, n_layers)):
+            if spec.is_none or not spec.gran.token_blocks or policy.uses_static(spec):
+                continue
+            if policy.residual > window:
+                raise KvevalError(
+                    f"policy '{policy.name}': its {kind}s are quantized per channel in blocks of {policy.residual} "
+                    f"tokens, longer than the {window}-token sliding window of layer {i}; use residual <= {window} "
+                    f"or a per-token {kind} spec on the sliding-window layers"
+                )
+
+
+def _tensor_part(spec: QuantSpec, policy: KVPolicy, arch: Arch, layer: int, batch: int, n: int, fp_bytes: int,
+                 kind: str, prompt: int | None) -> Part:
     B, H, D = batch, arch.kv_heads, arch.head_dim
+    window = arch.window(layer)
     if spec.is_none:
-        return Part(residual=B * H * n * D * fp_bytes)
-    n_fp, n_q = token_split(policy, n, kind, prompt)
+        return Part(residual=B * H * arch.held_tokens(layer, n) * D * fp_bytes)
+    cb = policy.residual if spec.gran.token_blocks else None
+    static = policy.uses_static(spec)
+    block = spec.gran.block(n, cb) if spec.gran.token_blocks and not static else None
+    n_fp, n_q = token_split(policy, n, kind, prompt, window, block)
     residual = B * H * n_fp * D * fp_bytes
     if n_q == 0:
         return Part(residual=residual)
-    cb = policy.residual if spec.gran.token_blocks else None
-    nb = packed_nbytes(spec, (B, H, n_q, D), channel_block=cb, dtype=_FP_DTYPES[fp_bytes],
-                       static=policy.uses_static(spec))
+    nb = packed_nbytes(spec, (B, H, n_q, D), channel_block=cb, dtype=_FP_DTYPES[fp_bytes], static=static)
     return Part(codes=nb["codes"], scales=nb["scales"] + nb["outliers"], residual=residual)
 
 
@@ -292,25 +384,34 @@ def kv_bytes(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1, f
     _check_sizes(context, batch, fp_bytes)
     pol = as_policy(policy)
     pol.check_model(arch.layers, arch.head_dim)
+    check_sliding_window(pol, arch.sliding_window, arch.sliding_layers, arch.layers)
     per_layer = []
     key = value = Part()
     for i in range(arch.layers):
         ks, vs = pol.specs_for_layer(i, arch.layers)
-        k = _tensor_part(ks, pol, arch, batch, context, fp_bytes, "key", prompt)
-        v = _tensor_part(vs, pol, arch, batch, context, fp_bytes, "value", prompt)
+        k = _tensor_part(ks, pol, arch, i, batch, context, fp_bytes, "key", prompt)
+        v = _tensor_part(vs, pol, arch, i, batch, context, fp_bytes, "value", prompt)
         per_layer.append((k, v))
         key, value = key + k, value + v
     n_fp, n_q = token_split(pol, context, "key", prompt)
     return Bill(policy=pol.name, context=context, batch=batch, key=key, value=value, per_layer=tuple(per_layer),
                 quantized_tokens=n_q, fp_tokens=n_fp,
-                elements=2 * arch.layers * batch * arch.kv_heads * context * arch.head_dim,
-                value_tokens=token_split(pol, context, "value", prompt))
+                elements=2 * _held(arch, context) * batch * arch.kv_heads * arch.head_dim,
+                value_tokens=token_split(pol, context, "value", prompt),
+                window=arch.sliding_window, sliding_layers=arch.sliding_layers)
+
+
+def _held(arch: Arch, context: int) -> int:
+    """Token rows held across layers: ``sum_l held_tokens(l, context)`` (``layers * context`` without sliding
+    layers)."""
+    return sum(arch.held_tokens(i, context) for i in range(arch.layers))
 
 
 def fp16_bytes(arch: Arch, context: int, batch: int = 1) -> int:
-    """Bytes of the unquantized FP16 cache: ``2 (K, V) * layers * batch * kv_heads * context * head_dim * 2``."""
+    """Bytes of the unquantized FP16 cache: ``2 (K, V) * layers * batch * kv_heads * context * head_dim * 2``
+    (a sliding-window layer counts ``min(context, window)`` tokens)."""
     _check_sizes(context, batch, 1)
-    return 2 * arch.layers * batch * arch.kv_heads * context * arch.head_dim * FP16_BYTES
+    return 2 * _held(arch, context) * batch * arch.kv_heads * arch.head_dim * FP16_BYTES
 
 
 # ------------------------------------------------------------------------------------------------- capacity
@@ -351,7 +452,8 @@ def max_batch(arch: Arch, policy: KVPolicy | str, context: int, gpu_memory: int,
 
 def max_context(arch: Arch, policy: KVPolicy | str, gpu_memory: int, batch: int = 1,
                 model_bytes: int | None = None, activation_bytes: int = 0, fp_bytes: int = FP16_BYTES) -> int:
-    """The longest context L such that ``kv_bytes(arch, policy, L, batch).total`` fits the budget (0 if none)."""
+    """The longest context L such that ``kv_bytes(arch, policy, L, batch).total`` fits the budget (0 if none;
+    ``MAX_CONTEXT`` = 2**31 when memory sets no limit below it: a model whose every layer slides)."""
     budget = kv_budget(arch, gpu_memory, model_bytes, activation_bytes)
     pol = as_policy(policy)
 
@@ -362,6 +464,8 @@ def max_context(arch: Arch, policy: KVPolicy | str, gpu_memory: int, batch: int 
         return 0
     lo, hi = 1, 2
     while fits(hi):
+        if hi >= MAX_CONTEXT:  # every layer slides: the bill stops growing at the window
+            return MAX_CONTEXT
         lo, hi = hi, hi * 2
     while hi - lo > 1:  # fits(lo), not fits(hi); bytes grow with n
         mid = (lo + hi) // 2
@@ -380,7 +484,8 @@ class Paging:
     ``total`` = the bill at ``blocks_per_sequence * block_size`` tokens (the last block's waste included);
     ``waste = total - bill.total``; ``block_bytes`` = bytes of one block of quantized tokens across all layers,
     K and V (steady state: scales per token/group, per-channel scales amortised over their token block; per-layer
-    tensor/head scales and full-precision windows are not per block).
+    tensor/head scales, full-precision windows and sliding-window layers, which hold a fixed window, are not per
+    block).
     """
 
     block_size: int
@@ -412,6 +517,8 @@ def block_bytes(arch: Arch, policy: KVPolicy | str, block_size: int = DEFAULT_BL
     H, D = arch.kv_heads, arch.head_dim
     total = Fraction(0)
     for i in range(arch.layers):
+        if arch.window(i) is not None:
+            continue
         for spec in pol.specs_for_layer(i, arch.layers):
             nb = packed_nbytes(spec, (1, H, block_size, D), dtype=_FP_DTYPES[fp_bytes])
             if spec.is_none:
@@ -454,5 +561,6 @@ def format_bytes(n: float) -> str:
 
 __all__ = [
     "Arch", "Bill", "Part", "Paging", "NAMED_SHAPES", "kv_bytes", "fp16_bytes", "max_batch", "max_context",
-    "kv_budget", "paging", "block_bytes", "token_split", "as_policy", "format_bytes",
+    "kv_budget", "paging", "block_bytes", "token_split", "as_policy", "format_bytes", "sliding_window_layers",
+    "check_sliding_window", "MAX_CONTEXT",
 ]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kveval.memory.bill import check_sliding_window, sliding_window_layers
 from kveval.patch import attention as attn
 from kveval.patch.attention import attention_modules
 from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, policy_scales
@@ -93,6 +94,28 @@ class StoredChunk:
     def read(self) -> torch.Tensor:
         return self.decoded
 
+    def drop_front(self, read_tokens: int, stored_tokens: int, blocks: int = 0) -> None:
+        """Forget the oldest tokens (a sliding-window layer): ``read_tokens`` of what is read, ``stored_tokens`` of
+        the packed rows and per-token side data, and ``blocks`` token blocks of per-channel scales (a block's
+        scale and codes are kept while any of its tokens is in the window; static scales are kept)."""
+        self.decoded = self.decoded[:, :, read_tokens:]
+        if stored_tokens == 0 and blocks == 0:
+            return
+        a = self.qt
+        static = a.static or a.spec.gran.static_only
+
+        def cut(x, n):
+            return x if x is None or static else x[:, :, n:]
+
+        per_block = a.spec.gran.token_blocks
+        drop_scales = blocks if per_block else stored_tokens
+        shape = torch.Size([*a.shape[:2], a.shape[2] - stored_tokens, a.shape[3]])
+        self.qt = replace(a, scale=cut(a.scale, drop_scales), zero_point=cut(a.zero_point, drop_scales),
+                          shape=shape,
+                          outlier_values=None if a.outlier_values is None else a.outlier_values[:, :, stored_tokens:],
+                          outlier_index=None if a.outlier_index is None else a.outlier_index[:, :, stored_tokens:])
+        self.packed = self.packed[:, :, stored_tokens:]
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held: the packed code bytes as stored, plus scales and zero points in their storage dtype and the
         outliers (values + indices), counted with the scales as side data."""
@@ -109,15 +132,31 @@ class QuantizedKVLayer(DynamicLayer):
     schedules (``KVPolicy.schedule``: KIVI quantizes keys in blocks and values in a sliding window); the sink tokens
     are shared. ``prompt`` is the number of tokens the first call stored (transformers' schedule counts its blocks
     from there).
+
+    A sliding-window layer (``window``: the model config's ``sliding_window``) forgets, at the end of each call,
+    every position older than the ``window`` newest (``evicted`` of them so far), as
+    ``kveval.memory.token_split`` bills it: sinks, quantized chunk and residual are cut at ``n - window``; a
+    per-channel token block keeps its codes and scales until all of its tokens have left (``block_starts``). What
+    attention reads is exactly positions ``[evicted, n)``, which the model's sliding mask limits further.
     """
 
     def __init__(self, key_q: TensorQuantizer, value_q: TensorQuantizer, policy: KVPolicy, is_sliding: bool = False,
-                 module: torch.nn.Module | None = None, implementation: str | None = None):
+                 module: torch.nn.Module | None = None, implementation: str | None = None,
+                 window: int | None = None):
         super().__init__()
         self.key_q, self.value_q, self.policy = key_q, value_q, policy
         self.key_spec, self.value_spec = key_q.spec, value_q.spec
         self.sched_k, self.sched_v = policy.schedule("key"), policy.schedule("value")
         self.is_sliding = is_sliding
+        self.window = window if is_sliding else None
+        self.evicted = 0  # positions [0, evicted) are forgotten (sliding-window layers only)
+        S = policy.sink_tokens
+        # per tensor kind: first position of the residual tensor, of the chunk's stored rows and of what it reads,
+        # and the start positions of its per-channel token blocks (dynamic channel specs only)
+        self.res_from = {"key": S, "value": S}
+        self.chunk_from = {"key": S, "value": S}
+        self.read_from = {"key": S, "value": S}
+        self.block_starts: dict[str, list[int]] = {"key": [], "value": []}
         self.module = module  # the attention module, whose rotary embedding transforms such as pre_rope need
         # the stock attention implementation this layer's ``attend`` wraps; None: no query/output hooks to apply
         self.implementation = implementation
@@ -178,7 +217,7 @@ class QuantizedKVLayer(DynamicLayer):
         before = self._read() if prefill_fp and self.n_stored > 0 else None
 
         # sinks first, the rest into the residuals
-        room = max(self.policy.sink_tokens - self.sink_k.shape[-2], 0)
+        room = max(self.policy.sink_tokens - self.n_stored, 0)
         take = min(room, n_new)
         if take:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :take]], dim=-2)
@@ -204,6 +243,7 @@ class QuantizedKVLayer(DynamicLayer):
             self._flush(kind)
             out.append(early if early is not None or prefill_fp else self._read_one(kind))
 
+        self._evict()
         if prefill_fp:
             key_states = self.key_q.full_precision(key_states, new_rope)
             value_states = self.value_q.full_precision(value_states, new_rope)
@@ -211,6 +251,59 @@ class QuantizedKVLayer(DynamicLayer):
                 return key_states, value_states
             return torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
         return out[0], out[1]
+
+    def _token_block(self, q: TensorQuantizer, block: int | None, tokens: int) -> int | None:
+        """The token block of a dynamic per-channel spec's statistics (None for every other spec)."""
+        if q.is_none or not q.spec.gran.token_blocks or q.spec.granularity != "channel" or block is None:
+            return None
+        if self.policy.uses_static(q.spec):
+            return None
+        return q.spec.gran.block(tokens, block)
+
+    def _evict(self) -> None:
+        """Forget the positions older than the window's (sliding-window layers; see the class docstring)."""
+        if self.window is None:
+            return
+        lo = self.n_stored - self.window
+        if lo <= self.evicted:
+            return
+        self.evicted = lo
+        sink_end = min(self.policy.sink_tokens, self.n_stored)
+        drop = min(lo, sink_end) - (sink_end - self.sink_k.shape[-2])
+        if drop > 0:
+            self.sink_k, self.sink_v = self.sink_k[:, :, drop:], self.sink_v[:, :, drop:]
+            if self.sink_rope is not None:
+                self.sink_rope = (self.sink_rope[0][:, drop:], self.sink_rope[1][:, drop:])
+        for kind in ("key", "value"):
+            chunks = self.chunks_k if kind == "key" else self.chunks_v
+            q_end = self.q_end_k if kind == "key" else self.q_end_v
+            if chunks and lo > self.read_from[kind]:
+                if lo >= q_end:
+                    chunks.clear()
+                    self.chunk_from[kind] = self.read_from[kind] = q_end
+                    self.block_starts[kind] = []
+                else:
+                    starts = self.block_starts[kind]
+                    if starts:
+                        ends = [*starts[1:], q_end]
+                        gone = sum(1 for e in ends if e <= lo)
+                        new_from, blocks = starts[gone], gone
+                        self.block_starts[kind] = starts[gone:]
+                    else:
+                        new_from, blocks = lo, 0
+                    chunks[0].drop_front(lo - self.read_from[kind], new_from - self.chunk_from[kind], blocks)
+                    self.read_from[kind], self.chunk_from[kind] = lo, new_from
+            drop = min(lo, self.n_stored) - self.res_from[kind]
+            if drop > 0:
+                if kind == "key":
+                    self.res_k = self.res_k[:, :, drop:]
+                    if self.res_rope_k is not None:
+                        self.res_rope_k = (self.res_rope_k[0][:, drop:], self.res_rope_k[1][:, drop:])
+                else:
+                    self.res_v = self.res_v[:, :, drop:]
+                    if self.res_rope_v is not None:
+                        self.res_rope_v = (self.res_rope_v[0][:, drop:], self.res_rope_v[1][:, drop:])
+                self.res_from[kind] += drop
 
     def _flush(self, kind: str) -> None:
         """Move the tokens of ``kind`` that have left its residual (``Schedule.quantized_end``) into quantized
@@ -220,20 +313,28 @@ class QuantizedKVLayer(DynamicLayer):
         end = min(sched.quantized_end(self.n_stored, self.prompt or 1), self.n_stored)
         if end <= q_end:
             return
-        move = end - q_end
+        start = self.res_from[kind]  # positions [q_end, start) left a sliding window before being quantized
+        move = max(end - start, 0)
         block = sched.residual if sched.blocks else None
         if kind == "key":
-            res, res_rope = self.res_k, self.res_rope_k
+            res, res_rope, q, chunks = self.res_k, self.res_rope_k, self.key_q, self.chunks_k
         else:
-            res, res_rope = self.res_v, self.res_rope_v
-        rope = None if res_rope is None else (res_rope[0][:, :move], res_rope[1][:, :move])
-        rest_rope = None if res_rope is None else (res_rope[0][:, move:], res_rope[1][:, move:])
+            res, res_rope, q, chunks = self.res_v, self.res_rope_v, self.value_q, self.chunks_v
+        if move:
+            rope = None if res_rope is None else (res_rope[0][:, :move], res_rope[1][:, :move])
+            res_rope = None if res_rope is None else (res_rope[0][:, move:], res_rope[1][:, move:])
+            if not chunks:
+                self.chunk_from[kind] = self.read_from[kind] = start
+            self._store(res[:, :, :move], q, chunks, block, rope)
+            token_block = self._token_block(q, block, move)
+            if token_block is not None:
+                self.block_starts[kind].extend(range(start, end, token_block))
+            res = res[:, :, move:]
+            self.res_from[kind] = end
         if kind == "key":
-            self._store(res[:, :, :move], self.key_q, self.chunks_k, block, rope)
-            self.res_k, self.res_rope_k, self.q_end_k = res[:, :, move:], rest_rope, end
+            self.res_k, self.res_rope_k, self.q_end_k = res, res_rope, end
         else:
-            self._store(res[:, :, :move], self.value_q, self.chunks_v, block, rope)
-            self.res_v, self.res_rope_v, self.q_end_v = res[:, :, move:], rest_rope, end
+            self.res_v, self.res_rope_v, self.q_end_v = res, res_rope, end
 
     @staticmethod
     def _append_rope(old: tuple[torch.Tensor, torch.Tensor] | None,
@@ -259,10 +360,16 @@ class QuantizedKVLayer(DynamicLayer):
         return self.n_stored
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n_stored + query_length, 0
+        """(key length, position of the first key) that the next call's attention mask covers: everything held
+        plus the ``query_length`` new tokens, from position ``evicted``."""
+        return self.n_stored - self.evicted + query_length, self.evicted
+
+    def get_max_length(self) -> int:
+        return -1 if self.window is None else self.window
 
     def reset(self) -> None:
-        self.__init__(self.key_q, self.value_q, self.policy, self.is_sliding, self.module, self.implementation)
+        self.__init__(self.key_q, self.value_q, self.policy, self.is_sliding, self.module, self.implementation,
+                      self.window)
 
     def nbytes(self) -> dict:
         """Bytes held: ``codes`` (packed), ``scales`` (scales and zero points), ``residual`` (full-precision tokens:
@@ -293,6 +400,9 @@ class _FullPrecisionChunk:
     def extend(self, other: _FullPrecisionChunk) -> _FullPrecisionChunk:
         return _FullPrecisionChunk(torch.cat([self.x, other.x], dim=2))
 
+    def drop_front(self, read_tokens: int, stored_tokens: int, blocks: int = 0) -> None:
+        self.x = self.x[:, :, read_tokens:]
+
     def nbytes(self) -> dict:
         n = self.x.numel() * self.x.element_size()
         return {"codes": 0, "scales": 0, "total": n}
@@ -307,17 +417,18 @@ def cache_kwargs(model, cache: Cache) -> dict:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
-def _sliding_layers(model) -> set[int]:
+def _sliding_layers(model, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(window, sliding-window layer indices) of the model's config (``kveval.memory.sliding_window_layers``)."""
     cfg = getattr(model.config, "get_text_config", lambda: model.config)()
-    types = getattr(cfg, "layer_types", None) or []
-    return {i for i, t in enumerate(types) if t == "sliding_attention"}
+    return sliding_window_layers(cfg.to_dict(), n_layers)
 
 
 class QuantizedKVCache(Cache):
     """A transformers ``Cache`` whose layers store K/V quantized under ``policy``.
 
-    All tokens are kept (sliding-window layers included; their mask limits what they see), so that the memory
-    bill of a full-attention model is exact.
+    Full-attention layers keep every token; sliding-window layers (the config's ``layer_types`` /
+    ``sliding_window``) keep the newest ``window`` tokens, so that ``nbytes()`` equals the memory bill
+    (``kveval.memory.kv_bytes`` of ``Arch.from_model``) after every call.
 
     K/V transforms (``policy.transform_sequence()``) act through the layers' ``TensorQuantizer``s, as in
     ``emulate``. When a transform hooks the query or the attention output (e.g. a rotation that keeps the cache
@@ -330,7 +441,8 @@ class QuantizedKVCache(Cache):
     def __init__(self, model, policy: KVPolicy):
         modules = attention_modules(model)
         n = len(modules)
-        sliding = _sliding_layers(model)
+        window, sliding = _sliding_layers(model, n)
+        check_sliding_window(policy, window, sliding, n)
         scales = policy_scales(policy, model)
         if any(t.needs_rope for t in policy.transform_sequence()):
             track_rope(model)
@@ -339,7 +451,8 @@ class QuantizedKVCache(Cache):
         base = attn.base_implementation(model) if hooked else None
         layers = [
             QuantizedKVLayer(k_q, v_q, policy, is_sliding=m.layer_idx in sliding, module=m,
-                             implementation=base if k_q.hooks_attention or v_q.hooks_attention else None)
+                             implementation=base if k_q.hooks_attention or v_q.hooks_attention else None,
+                             window=window)
             for m, (k_q, v_q) in zip(modules, quantizers)
         ]
         super().__init__(layers=layers)
