@@ -146,12 +146,17 @@ def parity(
     types: Annotated[str | None, typer.Option(help="Comma-separated cache types of the system (default: its set).")] = None,
     tokens: Annotated[int | None, typer.Option(help="Token ids to evaluate (default: the system's).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (default results/parity/SYSTEM).")] = None,
+    layers: Annotated[int | None, typer.Option(help="Keep only the first N decoder layers, in both systems (llamacpp).")] = None,
+    rotation: Annotated[str | None, typer.Option(help="llamacpp: on, off or both (the Hadamard rotation of current llama.cpp).")] = None,
+    noise_floor: Annotated[bool, typer.Option("--noise-floor", help="llamacpp: also measure kveval against itself with 1e-6 input noise.")] = False,
 ):
     """kveval's preset against the real system on the same tokens, per cache type: ΔPPL, KLD, KLD between them."""
-    from kveval.commands.parity import parity_command
+    from kveval.commands.parity import parity_command, parity_options
 
     type_list = [t.strip() for t in types.split(",") if t.strip()] if types else None
-    parity_command(system, model=model, types=type_list, tokens=tokens, out=str(out) if out else None)
+    options = parity_options(layers=layers, rotation=rotation, noise_floor=noise_floor)
+    parity_command(system, model=model, types=type_list, tokens=tokens, out=str(out) if out else None,
+                   options=options)
 
 
 @app.command()

@@ -5,12 +5,32 @@ divergence by position into the output folder, and print the table."""
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 from typing import Any
 
 from kveval.errors import KvevalError, did_you_mean
 from kveval.fileio import atomic_write_json, atomic_write_text
 from kveval.parity import SYSTEMS, ParityRow
+
+ROTATION = {"on": True, "off": False, "both": None}
+
+
+def parity_options(layers: int | None = None, rotation: str | None = None, noise_floor: bool = False) -> dict[str, Any]:
+    """The system options the command line gives (only those set): ``layers`` (a positive count), ``rotation``
+    (``on``/``off``/``both`` -> True/False/None), ``noise_floor``."""
+    options: dict[str, Any] = {}
+    if layers is not None:
+        if layers <= 0:
+            raise KvevalError(f"--layers must be a positive number of layers; got {layers}")
+        options["layers"] = layers
+    if rotation is not None:
+        if rotation not in ROTATION:
+            raise KvevalError(f"--rotation must be one of on, off, both; got {rotation!r}")
+        options["rotation"] = ROTATION[rotation]
+    if noise_floor:
+        options["noise_floor"] = True
+    return options
 
 
 def parity_command(system: str, *, model: str = "builtin:smollm2-135m", types: list[str] | None = None,
@@ -20,6 +40,12 @@ def parity_command(system: str, *, model: str = "builtin:smollm2-135m", types: l
         raise KvevalError(f"unknown system '{system}'{did_you_mean(system, SYSTEMS)} "
                           f"(known: {', '.join(sorted(SYSTEMS)) or 'none installed'})")
     module = importlib.import_module(SYSTEMS[system])
+    accepted = inspect.signature(module.run).parameters
+    unknown = sorted(k for k in (options or {}) if k not in accepted)
+    if unknown:
+        flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
+        raise KvevalError(f"the {system} parity does not take {flags}; drop it (llamacpp takes --layers, --rotation "
+                          "and --noise-floor)")
     kwargs: dict[str, Any] = {"model_name": model, **(options or {})}
     if types:
         kwargs["types"] = types

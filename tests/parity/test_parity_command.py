@@ -78,3 +78,46 @@ def test_unknown_system_is_one_line(fake_system, tmp_path):
     assert result.exit_code == 2
     assert "unknown system 'fak'; did you mean 'fake'?" in result.output
     assert not (tmp_path / "x").exists()
+
+
+@pytest.fixture
+def fake_llamacpp_like(monkeypatch):
+    """A stand-in system whose run takes llama.cpp's options and records what it was given."""
+    module = types.ModuleType("kveval_fake_parity_options")
+    seen: dict = {}
+
+    def run(model_name, types=None, tokens=8, rotation=True, layers=None, noise_floor=False):
+        seen.update(rotation=rotation, layers=layers, noise_floor=noise_floor)
+        ids = torch.arange(tokens) % 3
+        fp = _logits(tokens, 3, 0)
+        return [compare("opts", "q", "preset_q", ids, ref_fp=fp, ref=fp, kv_fp=fp, kv=fp)]
+
+    module.run = run
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(SYSTEMS, "opts", module.__name__)
+    return seen
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    ([], {"rotation": True, "layers": None, "noise_floor": False}),
+    (["--rotation", "off", "--layers", "2"], {"rotation": False, "layers": 2, "noise_floor": False}),
+    (["--rotation", "both", "--noise-floor"], {"rotation": None, "layers": None, "noise_floor": True}),
+])
+def test_parity_options_reach_the_system(fake_llamacpp_like, tmp_path, args, expected):
+    result = CliRunner().invoke(app, ["parity", "opts", "--tokens", "6", "-o", str(tmp_path / "o"), *args])
+    assert result.exit_code == 0, result.output
+    assert fake_llamacpp_like == expected
+
+
+@pytest.mark.parametrize(("system", "args", "message"), [
+    ("opts", ["--rotation", "sideways"], "--rotation must be one of on, off, both; got 'sideways'"),
+    ("opts", ["--layers", "0"], "--layers must be a positive number of layers; got 0"),
+    ("fake", ["--rotation", "off"], "the fake parity does not take --rotation"),
+    ("fake", ["--layers", "2", "--noise-floor"], "the fake parity does not take --layers, --noise-floor"),
+])
+def test_parity_option_errors_are_one_line(fake_system, fake_llamacpp_like, tmp_path, system, args, message):
+    result = CliRunner().invoke(app, ["parity", system, "-o", str(tmp_path / "x"), *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "x").exists()
