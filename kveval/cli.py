@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -22,19 +23,30 @@ app = typer.Typer(
 err_console = Console(stderr=True)
 
 
+#: Exit status of a command stopped by bad input (a KvevalError line).
+EXIT_USER_ERROR = 2
+#: Exit status of a command stopped by Ctrl-C (SIGINT): 128 + 2, the shells' convention.
+EXIT_INTERRUPTED = 130
+
+
 def user_errors(fn):
-    """Bad input -> one line on stderr and exit status 2, no traceback. Ctrl-C -> exit 130 with a resume hint."""
+    """Bad input -> one line on stderr and exit status 2, no traceback. Ctrl-C -> one line and exit status 130,
+    wherever it lands: in the work, in the report at its end, or while the line of an error is being printed (a
+    second Ctrl-C while the interrupt's own line prints changes nothing). Whatever was written stays whole:
+    records are appended whole and every other file is replaced atomically."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
-        except KvevalError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            try:
+                return fn(*args, **kwargs)
+            except KvevalError as exc:
+                err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+                raise typer.Exit(EXIT_USER_ERROR) from None
         except KeyboardInterrupt:
-            err_console.print("interrupted; rerun the same command to resume from the recorded work")
-            raise typer.Exit(130) from None
+            with contextlib.suppress(KeyboardInterrupt):
+                err_console.print("interrupted; rerun the same command to resume from the recorded work")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return wrapper
 

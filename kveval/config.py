@@ -235,6 +235,21 @@ class ExperimentConfig(Strict):
                 raise ValueError(f"tasks[{i}].{entry.kind}.position_bins {bins} is more than seq_len {seq_len}")
         return self
 
+    @model_validator(mode="after")
+    def _distinct_tasks(self):
+        """Two entries of one kind are told apart by their place (the later one's records and metrics carry
+        ``tasks[i]``: :func:`kveval.results.store.task_label`) and by their parameters; two identical entries
+        would compute the same numbers twice under two labels that say nothing: refused here."""
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(self.tasks):
+            key = repr(sorted(entry.params.model_dump(mode="json").items()))
+            first = seen.setdefault(f"{entry.kind}:{key}", i)
+            if first != i:
+                raise ValueError(f"tasks[{i}] repeats tasks[{first}] (the same {entry.kind} task with the same "
+                                 "parameters), so their results could not be told apart; remove one, or change "
+                                 "a parameter")
+        return self
+
     @property
     def allow_code(self) -> bool:
         """Whether this run may execute code that its inputs name (lm-eval include folders with Python,

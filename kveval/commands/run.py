@@ -28,7 +28,8 @@ from kveval.results import (
     now,
     run_folder,
 )
-from kveval.results.store import task_prefix, tokens_digest
+from kveval.results.layout import TASK_ENTRIES
+from kveval.results.store import task_label, tokens_digest
 
 
 @dataclass
@@ -72,6 +73,17 @@ def merge(into: dict, part: dict) -> dict:
         else:
             into[key] = value
     return into
+
+
+def add_task_metrics(metrics: dict, part: dict, kind: str, label: str = "") -> dict:
+    """Put one task entry's metrics into the run's: the first entry of each kind (``label`` ``""``) merges into the
+    top level (``baseline``, ``policies``...), a later entry of the same kind (``label`` ``"tasks[i]"``:
+    :func:`kveval.results.store.task_label`) goes whole under ``metrics["tasks"][label]`` with its ``kind``, so
+    that two entries of one kind never overwrite each other's fields."""
+    if not label:
+        return merge(metrics, part)
+    metrics.setdefault(TASK_ENTRIES, {})[label] = {"kind": kind, **part}
+    return metrics
 
 
 def task_runners() -> dict[str, Any]:
@@ -173,9 +185,10 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     metrics: dict = {"run": cfg.name, "model": cfg.model.name, BASELINE: {}, "policies": {n: {} for n in policies}}
     kinds = [entry.kind for entry in cfg.tasks]
     for i, entry in enumerate(cfg.tasks):
-        view = ctx.run = run.task_view(task_prefix(kinds, i))  # the task sees its own records only
+        label = task_label(kinds, i)
+        view = ctx.run = run.task_view(f"{label}/" if label else "")  # the task sees its own records only
         try:
-            merge(metrics, runners[entry.kind].run(ctx, entry.params))
+            add_task_metrics(metrics, runners[entry.kind].run(ctx, entry.params), entry.kind, label)
         except (AttributeError, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             if not view.resumed:  # nothing read back from the folder: a bug, shown in full
                 raise
@@ -196,6 +209,9 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
 
     write_run_report(run.path)
     console.print(summary_table(metrics, cfg))
+    for label, part in (metrics.get(TASK_ENTRIES) or {}).items():
+        if part.get("policies"):
+            console.print(summary_table(part_for_summary(metrics, part), cfg, label=f"{label} ({part['kind']})"))
     console.print(f"results: {run.path}/")
     return metrics
 
@@ -336,11 +352,24 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def summary_table(metrics: dict, cfg: ExperimentConfig) -> Table:
+def part_for_summary(metrics: dict, part: dict) -> dict:
+    """A later task entry's metrics (``metrics["tasks"][label]``) in the shape :func:`summary_table` reads, with
+    the run's memory fields (bits per element) beside them."""
+    def with_memory(entry: dict, top: dict) -> dict:
+        return {**{k: v for k, v in top.items() if k == "bits_per_element"}, **entry}
+
+    top_policies = metrics.get("policies") or {}
+    return {"model": metrics.get("model"), BASELINE: with_memory(part.get(BASELINE) or {}, metrics.get(BASELINE) or {}),
+            "policies": {n: with_memory(m or {}, top_policies.get(n) or {})
+                         for n, m in (part.get("policies") or {}).items()}}
+
+
+def summary_table(metrics: dict, cfg: ExperimentConfig, label: str | None = None) -> Table:
     """The closing console table: one row per policy against the threshold; perplexity columns when the run
-    measured perplexity, needle columns when it ran the needle task."""
+    measured perplexity, needle columns when it ran the needle task. ``label``: the task entry the metrics are of,
+    in the title (a later entry of a kind already in the config, ``tasks[1] (perplexity)``)."""
     thr = cfg.threshold
-    title = f"{cfg.name}: {metrics['model']}, threshold ΔPPL <= {thr.delta_ppl_pct}%" + (
+    title = f"{cfg.name}{' ' + label if label else ''}: {metrics['model']}, threshold ΔPPL <= {thr.delta_ppl_pct}%" + (
         f", KLD <= {thr.kld}" if thr.kld is not None else ""
     )
     base = metrics.get(BASELINE, {})

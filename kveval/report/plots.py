@@ -19,6 +19,7 @@ from matplotlib.colors import LogNorm, TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from kveval.fileio import atomic_write_bytes
 from kveval.results import BASELINE, RunResults
 
 # Okabe & Ito (2008), "Color Universal Design": black first for the baseline
@@ -49,7 +50,10 @@ def _style(policies: Sequence[str]) -> dict[str, tuple[str, str]]:
 
 
 def save(fig: Figure, path: str | Path, dpi: int = DPI, palette: bool = True) -> Path:
-    """Write ``fig`` as a PNG (no software metadata, so that reruns give identical files).
+    """Write ``fig`` as a PNG (no software metadata, so that reruns give identical files), atomically: the image
+    is rendered in memory and replaces ``path`` in one rename (:func:`kveval.fileio.atomic_write_bytes`), so an
+    interrupted report (Ctrl-C, a full disk) leaves the previous figure or none, never a truncated one, and a
+    symbolic link at ``path`` is replaced, never written through. Every PNG kveval writes goes through here.
 
     ``palette``: store it with a 256-colour palette (Pillow, median cut): a plot has few colours, so this looks
     the same and is about three times smaller, which keeps HTML reports and committed reference runs small.
@@ -71,7 +75,7 @@ def save(fig: Figure, path: str | Path, dpi: int = DPI, palette: bool = True) ->
             data = out.getvalue() if out.tell() < len(data) else data
         except Exception:  # Pillow missing or too old: the plain PNG
             pass
-    path.write_bytes(data)
+    atomic_write_bytes(path, data)
     return path
 
 

@@ -144,7 +144,7 @@ def _dedupe_names(runs: list[RunResults]) -> None:
         seen[r.name] = n + 1
         if n:
             r.name = f"{r.name}-{n + 1}"
-            for df in (r.summary, r.positions, r.layers, r.needle, r.sensitivity, r.memory):
+            for df in (r.summary, r.positions, r.layers, r.needle, r.sensitivity, r.memory, r.task_entries):
                 if "run" in df:
                     df["run"] = r.name
 
@@ -187,6 +187,11 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
             f"KLD ≤ {thr['kld']:g}" if thr.get("kld") is not None else None]
     crit_s = " and ".join(c for c in crit if c) or "no threshold configured"
     b.append(Block("table", tables.verdict_table(r), caption=f"Policies against the threshold ({crit_s})"))
+    for label in dict.fromkeys(r.task_entries["task"]):
+        b.append(Block("h", f"Task {label}: {_task_words(r, str(label))}", sub))
+        b.append(Block("table", tables.task_entry_table(r, str(label)),
+                       caption=f"The policies under {label} alone, against the same threshold (a later entry of a "
+                               "task kind already in the config; the tables above are the first entry's)"))
     planned = tables.plan_table(r)
     if not planned.empty:
         plan = r.metrics["plan"]
@@ -214,6 +219,22 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
              "# rebuild this report", f"kveval report {r.path}"]
     b.append(Block("code", "\n".join(lines)))
     return b
+
+
+def _task_words(r: RunResults, label: str) -> str:
+    """Task entry ``label`` (``tasks[1]``) of the run's config in words: ``perplexity (seq_len 16, max_tokens
+    128)``, its parameters as the resolved config holds them (the kind alone when the config does not say)."""
+    match = re.fullmatch(r"tasks\[(\d+)\]", label)
+    entries = r.config.get("tasks") or []
+    entry = entries[int(match.group(1))] if match and int(match.group(1)) < len(entries) else None
+    named = {k: v for k, v in entry.items() if v is not None} if isinstance(entry, dict) else {}
+    if len(named) != 1:  # the resolved config names every task kind, all but one null
+        kinds = r.task_entries.loc[r.task_entries["task"] == label, "kind"]
+        return str(kinds.iloc[0]) if len(kinds) else "task"
+    kind, params = next(iter(named.items()))
+    if not isinstance(params, dict) or not params:
+        return str(kind)
+    return f"{kind} ({', '.join(f'{k} {v}' for k, v in params.items() if v is not None)})"
 
 
 def reproduce_command(env: dict) -> str | None:

@@ -12,6 +12,7 @@ import pandas as pd
 
 from kveval.fileio import atomic_write_text
 from kveval.results import BASELINE, RunResults
+from kveval.results.read import TASK_ENTRY_COLUMNS
 
 
 def summary(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
@@ -24,7 +25,27 @@ def verdict_table(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
     """The readable verdict table: policy, spec, PPL, ΔPPL %, KLD [95% CI], top-1, bits/element, compression,
     needle accuracy (when measured), verdict. Formatted strings; a ``run`` column only for several runs."""
     runs = [runs] if isinstance(runs, RunResults) else list(runs)
-    df = summary(runs)
+    return _verdict_rows(summary(runs), keep_run=len(runs) > 1)
+
+
+def task_entries(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
+    """One row per (run, later task entry, policy): ``RunResults.task_entries`` of every run (a second
+    perplexity task's own numbers, labelled ``tasks[i]``); empty when no config repeats a task kind."""
+    runs = [runs] if isinstance(runs, RunResults) else list(runs)
+    frames = [r.task_entries for r in runs if not r.task_entries.empty]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TASK_ENTRY_COLUMNS)
+
+
+def task_entry_table(res: RunResults, label: str) -> pd.DataFrame:
+    """The verdict table (:func:`verdict_table`'s columns) of one later task entry of a run (``label``:
+    ``tasks[1]``), from ``RunResults.task_entries``: the numbers of that entry only."""
+    df = res.task_entries[res.task_entries["task"] == label].drop(columns=["task", "kind"])
+    return _verdict_rows(df.reset_index(drop=True), keep_run=False)
+
+
+def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
+    """The formatted verdict rows of summary rows ``df`` (``SUMMARY_COLUMNS``); columns that are empty in every
+    row are left out (the ``run`` column too unless ``keep_run``)."""
     rows = []
     for _, r in df.iterrows():
         base = r["policy"] == BASELINE
@@ -46,8 +67,10 @@ def verdict_table(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
         }
         rows.append(row)
     out = pd.DataFrame(rows)
+    if out.empty:
+        return out
     keep = [c for c in out.columns if c in ("policy", "verdict") or (out[c] != "").any()]
-    if len(runs) == 1:
+    if not keep_run:
         keep = [c for c in keep if c != "run"]
     return out[keep]
 
@@ -80,7 +103,8 @@ def memory_table(res: RunResults) -> pd.DataFrame:
 
 def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
     """Write ``summary.csv``, ``positions.csv``, ``layers.csv``, ``memory.csv`` and, when present,
-    ``needle.csv`` and ``sensitivity.csv`` (all runs concatenated, a ``run`` column first); returns name -> path."""
+    ``needle.csv``, ``sensitivity.csv`` and ``task_entries.csv`` (the later entries of a repeated task kind, one
+    row per entry and policy) (all runs concatenated, a ``run`` column first); returns name -> path."""
     tables_dir = Path(tables_dir)
     tables_dir.mkdir(parents=True, exist_ok=True)
     out = {}
@@ -91,9 +115,10 @@ def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
         "memory": pd.concat([r.memory for r in runs], ignore_index=True),
         "needle": pd.concat([r.needle for r in runs], ignore_index=True),
         "sensitivity": pd.concat([r.sensitivity for r in runs], ignore_index=True),
+        "task_entries": task_entries(runs),
     }
     for name, df in frames.items():
-        if df.empty and name in ("needle", "sensitivity"):
+        if df.empty and name in ("needle", "sensitivity", "task_entries"):
             continue
         path = tables_dir / f"{name}.csv"
         atomic_write_text(path, csv_safe(df).to_csv(index=False))
@@ -197,7 +222,7 @@ def _f(v, spec: str, prefix: str = "", suffix: str = "") -> str:
     return "" if not _ok(v) else f"{prefix}{format(float(v), spec)}{suffix}"
 
 
-__all__ = ["summary", "verdict_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
+__all__ = ["summary", "verdict_table", "task_entries", "task_entry_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
            "md_cell", "csv_safe", "csv_safe_cell"]
 
 

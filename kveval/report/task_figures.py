@@ -10,8 +10,9 @@ true (the default):
 * sensitivity: ``sensitivity_heatmap.png`` (layers × spec and K/V, log10 KLD) and ``sensitivity_ranked.png`` (the
   most sensitive cells per spec) (:func:`plot_sensitivity`).
 
-matplotlib's Agg canvas without pyplot (no global backend change); PNGs written as matplotlib writes them, at
-110 dpi (not through :func:`kveval.report.plots.save`).
+matplotlib's Agg canvas without pyplot (no global backend change); PNGs at 110 dpi in matplotlib's own colours (no
+palette), written atomically through :func:`kveval.report.plots.save` (an interrupted report leaves the previous
+figure or none, never a truncated file).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from kveval.report.plots import save
 from kveval.results import BASELINE, PLOTS_DIR, RunResults
 
 DPI = 110
@@ -67,6 +69,11 @@ def _heatmap(ax, grid: np.ndarray, contexts: list[int], depths: list[float], tit
     ax.figure.colorbar(im, ax=ax)
 
 
+def _save(fig: Figure, path: Path) -> Path:
+    """``fig`` as a PNG at ``path``, atomically (:func:`kveval.report.plots.save`, without the palette)."""
+    return save(fig, path, dpi=DPI, palette=False)
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
@@ -103,9 +110,7 @@ def plot_needle(metrics: dict, out_dir: str | Path) -> list[Path]:
             _heatmap(ax1, acc, contexts, depths, f"{name}: exact match ({variant})", "RdYlGn", 0, 1, ".2f")
             _heatmap(ax2, lp, contexts, depths, f"{name}: answer log-prob / token", "viridis", lp_lo, lp_hi, ".2f")
             fig.tight_layout()
-            path = out_dir / f"{stem}_{_safe(name)}.png"
-            fig.savefig(path, dpi=DPI)
-            written.append(path)
+            written.append(_save(fig, out_dir / f"{stem}_{_safe(name)}.png"))
             if name == BASELINE or not base_cells:
                 continue
             d_acc, d_lp = acc - base_acc, lp - base_lp
@@ -116,9 +121,7 @@ def plot_needle(metrics: dict, out_dir: str | Path) -> list[Path]:
             _heatmap(ax2, d_lp, contexts, depths, f"{name} - baseline: log-prob / token", "RdBu",
                      -max(lim, 1e-6), max(lim, 1e-6), "+.2f")
             fig.tight_layout()
-            path = out_dir / f"{stem}_{_safe(name)}_diff.png"
-            fig.savefig(path, dpi=DPI)
-            written.append(path)
+            written.append(_save(fig, out_dir / f"{stem}_{_safe(name)}_diff.png"))
     return written
 
 
@@ -183,12 +186,76 @@ def plot_sensitivity(metrics: dict, out_dir: str | Path) -> list[Path]:
         return []
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    heatmap = out_dir / "sensitivity_heatmap.png"
-    sensitivity_heatmap_figure(cells, specs, _num_layers(metrics, cells)).savefig(heatmap, dpi=DPI)
-    ranked = out_dir / "sensitivity_ranked.png"
-    sensitivity_ranked_figure(cells, specs).savefig(ranked, dpi=DPI)
+    heatmap = _save(sensitivity_heatmap_figure(cells, specs, _num_layers(metrics, cells)),
+                    out_dir / "sensitivity_heatmap.png")
+    ranked = _save(sensitivity_ranked_figure(cells, specs), out_dir / "sensitivity_ranked.png")
     return [heatmap, ranked]
 
 
 __all__ = ["write_task_figures", "plot_needle", "plot_sensitivity", "sensitivity_heatmap_figure",
            "sensitivity_ranked_figure"]
+
+
+# ------------------------------------------------------------------------------------------- ruler
+
+
+def _ruler_panel(ax, cells: Sequence[dict], field: str, families: list[str], lengths: list[int], title: str,
+                 cmap: str, vmin: float | None, vmax: float | None, fmt: str) -> np.ndarray:
+    """One family × length heatmap of ``field`` of metrics.json's ``ruler_cells`` (blank where a cell is missing);
+    returns the grid."""
+    grid = np.full((len(families), len(lengths)), np.nan)
+    for c in cells:
+        if c.get(field) is not None and c["family"] in families and c["length"] in lengths:
+            grid[families.index(c["family"]), lengths.index(c["length"])] = c[field]
+    im = ax.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(families)), families, fontsize=8)
+    ax.set_xlabel("length (tokens)")
+    ax.set_title(title, fontsize=10)
+    for (i, j), v in np.ndenumerate(grid):
+        if not np.isnan(v):
+            ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=8)
+    ax.figure.colorbar(im, ax=ax)
+    return grid
+
+
+def plot_ruler(metrics: dict, out_dir: str | Path) -> list[Path]:
+    """Heatmaps (family × length) from metrics.json's ``ruler_cells``, one ``ruler_<name>.png`` per policy and the
+    baseline: RULER score (0..100) and answer log-prob per token; a policy's figure adds its drop against the
+    baseline in score points (red: lost), with each family's verdict beside its name. Returns the files written
+    (none when no entry has ruler cells)."""
+    entries = {BASELINE: metrics.get(BASELINE, {}), **metrics.get("policies", {})}
+    entries = {n: e for n, e in entries.items() if e.get("ruler_cells")}
+    if not entries:
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    all_cells = [c for e in entries.values() for c in e["ruler_cells"]]
+    families = list(dict.fromkeys(c["family"] for c in all_cells))
+    lengths = sorted({c["length"] for c in all_cells})
+    lps = [c["logprob"] for c in all_cells if c.get("logprob") is not None]
+    lp_lo, lp_hi = (min(lps), max(lps)) if lps else (None, None)
+    written = []
+    for name, entry in entries.items():
+        cells = entry["ruler_cells"]
+        policy = name != BASELINE
+        fig = Figure(figsize=(5.0 + (4.2 if policy else 0.0) + 0.9 * len(lengths), 0.42 * len(families) + 2.2))
+        axes = fig.subplots(1, 3 if policy else 2)
+        _ruler_panel(axes[0], cells, "score", families, lengths, f"{name}: RULER score", "RdYlGn", 0, 100, ".0f")
+        if policy:
+            verdicts = entry.get("ruler_families") or {}
+            drops = [c["drop"] for c in cells if c.get("drop") is not None]
+            lim = max([abs(d) for d in drops] + [1.0])
+            _ruler_panel(axes[1], cells, "drop", families, lengths,
+                         f"drop vs baseline (points; fail > {entry.get('ruler_max_drop', '?')})", "RdBu_r", -lim, lim,
+                         "+.0f")
+            axes[1].set_yticks(range(len(families)),
+                               [f"{f} ({(verdicts.get(f) or {}).get('verdict') or '-'})" for f in families], fontsize=8)
+        _ruler_panel(axes[-1], cells, "logprob", families, lengths, f"{name}: answer log-prob / token", "viridis",
+                     lp_lo, lp_hi, ".2f")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / f"ruler_{_safe(name)}.png"))
+    return written
+
+
+__all__ += ["plot_ruler"]

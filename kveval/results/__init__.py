@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         SCALES_FILE,
         SCALES_USED_FILE,
         TABLES_DIR,
+        TASK_ENTRIES,
         run_folder,
     )
     from kveval.results.lock import lock_folder
@@ -42,7 +43,7 @@ _HOMES = {
     "kveval.fileio": ("atomic_write_json", "atomic_write_text", "read_jsonl"),
     "kveval.results.layout": ("BASELINE", "CONFIG_FILE", "ENV_FILE", "LOCK_FILE", "MARKER_FILE", "METRICS_FILE",
                               "PLOTS_DIR", "RECORDS_FILE", "SCALES_FILE", "SCALES_USED_FILE", "TABLES_DIR",
-                              "run_folder"),
+                              "TASK_ENTRIES", "run_folder"),
     "kveval.results.lock": ("lock_folder",),
     "kveval.results.read": ("RunResults", "load", "read_config", "read_env", "read_metrics", "read_records"),
     "kveval.results.store": ("RunDir", "TaskRecords", "environment", "now", "record_key"),
@@ -53,9 +54,9 @@ _MODULES = ("layout", "lock", "read", "store")
 
 __all__ = [
     "BASELINE", "CONFIG_FILE", "ENV_FILE", "LOCK_FILE", "MARKER_FILE", "METRICS_FILE", "PLOTS_DIR", "RECORDS_FILE",
-    "SCALES_FILE", "SCALES_USED_FILE", "TABLES_DIR", "RunDir", "RunResults", "TaskRecords", "atomic_write_json",
-    "atomic_write_text", "environment", "load", "lock_folder", "now", "read_config", "read_env", "read_jsonl",
-    "read_metrics", "read_records", "record_key", "run_folder",
+    "SCALES_FILE", "SCALES_USED_FILE", "TABLES_DIR", "TASK_ENTRIES", "RunDir", "RunResults", "TaskRecords",
+    "atomic_write_json", "atomic_write_text", "environment", "load", "lock_folder", "now", "read_config", "read_env",
+    "read_jsonl", "read_metrics", "read_records", "record_key", "run_folder",
 ]
 
 

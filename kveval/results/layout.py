@@ -21,12 +21,15 @@ Schema (docs/design.md section 4; the README's "Results" section lists every fie
        "baseline": {FIELD: value},              # the full-precision reference (its name: BASELINE)
        "policies": {POLICY: {FIELD: value}},    # in the config's order
        "memory": {"arch": {...}, "context": N, "gpu_memory": ...},
-       "sensitivity": {...}, "plan": {...}}     # only after a scan / for a planned config
+       "sensitivity": {...}, "plan": {...},     # only after a scan / for a planned config
+       "tasks": {"tasks[i]": {"kind": KIND, "baseline": {...}, "policies": {...}}}}  # TASK_ENTRIES, see below
 
   Per policy: perplexity (``ppl``, ``delta_ppl_pct``, ``kld_mean``, ``kld_ci95``, ``top1_agree``,
   ``*_by_position``, ``layer_errors``, ``verdict``...), memory (``bytes_per_token``, ``compression_vs_fp16``,
   ``bits_per_element``, ``max_batch``), needle (``needle_accuracy``, ``needle_cells``...), ``lm_eval``. Renaming a
-  field is a breaking change.
+  field is a breaking change. The first task entry of each kind reports at the top level; a later entry of the
+  same kind (two perplexity tasks with different windows) reports its own fields under ``tasks`` (its label,
+  ``tasks[i]``, also prefixes its record keys), so that two entries never share a field or a key.
 * ``scales.safetensors`` (:data:`SCALES_FILE`): the calibration of ``scales: auto`` policies, reused on resume;
   ``scales_used.json`` (:data:`SCALES_USED_FILE`): ``{policy: sha256}`` of the ``scales: FILE`` files a run used.
 * ``report.md``, ``report.html``, ``tables/*.csv`` (:data:`TABLES_DIR`), ``plots/*.png`` (:data:`PLOTS_DIR`):
@@ -73,6 +76,11 @@ RESULTS_ROOT = "results"
 
 #: The full-precision reference: its policy name in records.jsonl and its key in metrics.json.
 BASELINE = "baseline"
+
+#: The metrics.json section of the later task entries of a kind already in the config (a second perplexity task):
+#: ``{"tasks[1]": {"kind": "perplexity", "baseline": {...}, "policies": {...}}}``; the first entry of each kind
+#: keeps the top level (:func:`kveval.results.store.task_label`).
+TASK_ENTRIES = "tasks"
 
 
 def _bad_char(text: str) -> str | None:
@@ -128,4 +136,4 @@ def run_folder(name: str, output: str | os.PathLike[str] | None = None) -> Path:
 
 __all__ = ["BASELINE", "CONFIG_FILE", "ENV_FILE", "LOCK_FILE", "MARKER_FILE", "METRICS_FILE", "OWN_FILES",
            "PLOTS_DIR", "RECORDS_FILE", "REPORT_FILES", "RESULTS_ROOT", "SCALES_FILE", "SCALES_USED_FILE",
-           "TABLES_DIR", "check_run_name", "run_folder"]
+           "TABLES_DIR", "TASK_ENTRIES", "check_run_name", "run_folder"]

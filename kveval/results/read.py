@@ -29,7 +29,7 @@ import yaml
 
 from kveval.errors import KvevalError
 from kveval.fileio import scan_jsonl
-from kveval.results.layout import BASELINE, CONFIG_FILE, ENV_FILE, METRICS_FILE, RECORDS_FILE
+from kveval.results.layout import BASELINE, CONFIG_FILE, ENV_FILE, METRICS_FILE, RECORDS_FILE, TASK_ENTRIES
 
 #: Columns of ``RunResults.summary`` (always present, NaN where the run did not measure them).
 SUMMARY_COLUMNS = [
@@ -42,6 +42,9 @@ POSITION_COLUMNS = ["run", "policy", "bin", "start", "end", "center", "loss", "d
 NEEDLE_COLUMNS = ["run", "policy", "context", "depth", "accuracy", "logprob", "token_acc"]
 SENSITIVITY_COLUMNS = ["run", "layer", "tensor", "spec", "kld", "delta_ppl_pct"]
 MEMORY_COLUMNS = ["run", "policy", "context", "codes", "scales", "residual", "total", "bytes_per_token"]
+#: Columns of ``RunResults.task_entries``: the summary columns of a later task entry of a kind already in the
+#: config, with the entry's label (``tasks[1]``) and kind.
+TASK_ENTRY_COLUMNS = ["run", "task", "kind", *SUMMARY_COLUMNS[1:]]
 
 
 @dataclass
@@ -68,6 +71,10 @@ class RunResults:
     * ``memory``: the memory bill per policy at ``context`` tokens, bytes of ``codes``, ``scales`` (zero points
       included) and ``residual`` (full precision), when the model's shape is known, else empty.
     * ``records``: ``records.jsonl`` as a DataFrame; ``config``, ``env``, ``metrics``: the raw documents.
+    * ``task_entries``: the later entries of a kind already in the config (a second perplexity task: its metrics
+      are under ``metrics["tasks"]["tasks[1]"]``, never mixed with the first's), one row per (entry, policy) with
+      the columns of ``summary`` plus ``task`` (the label, ``tasks[1]``) and ``kind`` (``TASK_ENTRY_COLUMNS``);
+      empty when the config has one entry per kind. The first entry of each kind is ``summary``.
     """
 
     path: Path
@@ -82,6 +89,7 @@ class RunResults:
     sensitivity: pd.DataFrame
     memory: pd.DataFrame
     records: pd.DataFrame = field(repr=False)
+    task_entries: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=TASK_ENTRY_COLUMNS), repr=False)
 
     @property
     def policies(self) -> list[str]:
@@ -145,9 +153,13 @@ def read_metrics(run_dir: str | Path) -> dict:
     metrics = _read_json(path)
     if not isinstance(metrics, dict) or not isinstance(metrics.get("policies", {}), dict):
         raise KvevalError(f"{path} is not a kveval metrics document (no 'policies' mapping); rerun the config")
-    for section in (BASELINE, "memory", "sensitivity", "plan"):
+    for section in (BASELINE, "memory", "sensitivity", "plan", TASK_ENTRIES):
         if metrics.get(section) is not None and not isinstance(metrics[section], dict):
             raise KvevalError(f"{path}: '{section}' is not a mapping; rerun the config to rebuild it")
+    for label, part in (metrics.get(TASK_ENTRIES) or {}).items():
+        if not isinstance(part, dict) or not isinstance(part.get("policies", {}), dict):
+            raise KvevalError(f"{path}: task entry '{label}' is not a metrics mapping; rerun the config to rebuild "
+                              "it")
     for pname, m in metrics.get("policies", {}).items():
         if m is not None and not isinstance(m, dict):
             raise KvevalError(f"{path}: policy '{pname}' is not a mapping; rerun the config to rebuild it")
@@ -355,6 +367,24 @@ def _layers(name: str, metrics: dict) -> pd.DataFrame:
     return df
 
 
+def _task_entries(name: str, metrics: dict, config: dict, memory: pd.DataFrame) -> pd.DataFrame:
+    """``RunResults.task_entries``: the summary rows of every later task entry that measured something per policy
+    (perplexity, needle), each labelled with its entry."""
+    frames = []
+    for label, part in (metrics.get(TASK_ENTRIES) or {}).items():
+        if not part.get("policies"):
+            continue  # a scan (its own section), or an entry with nothing per policy
+        df = _summary(name, {**part, "model": metrics.get("model"), "memory": metrics.get("memory")}, config, memory)
+        if not df[["ppl", "needle_accuracy", "needle_answer_logprob"]].notna().to_numpy().any():
+            continue  # lm-eval: nothing of the summary's columns
+        df.insert(1, "task", str(label))
+        df.insert(2, "kind", str(part.get("kind") or ""))
+        frames.append(df)
+    if not frames:
+        return pd.DataFrame(columns=TASK_ENTRY_COLUMNS)
+    return pd.concat(frames, ignore_index=True)[TASK_ENTRY_COLUMNS]
+
+
 def _needle(name: str, metrics: dict) -> pd.DataFrame:
     rows = []
     for pname, m in [(BASELINE, metrics.get(BASELINE) or {}), *(metrics.get("policies") or {}).items()]:
@@ -391,6 +421,7 @@ def load(run_dir: str | Path) -> RunResults:
             summary=_summary(name, metrics, config, memory), positions=_positions(name, metrics),
             layers=_layers(name, metrics), needle=_needle(name, metrics), sensitivity=_sensitivity(name, metrics),
             memory=memory, records=pd.DataFrame(records),
+            task_entries=_task_entries(name, metrics, config, memory),
         )
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # a hand-edited document
         raise KvevalError(f"{path / METRICS_FILE} does not have the shape of a kveval metrics document "
@@ -399,4 +430,4 @@ def load(run_dir: str | Path) -> RunResults:
 
 
 __all__ = ["BASELINE", "RunResults", "load", "read_metrics", "read_config", "read_env", "read_records",
-           "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS"]
+           "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS", "TASK_ENTRY_COLUMNS"]

@@ -18,7 +18,7 @@ The rules that keep a folder's records whole (the caller holds the folder's lock
   never through a symbolic link; the other files are replaced atomically.
 * Scope: a task sees the run through a :class:`TaskRecords` view: only the records of keys it looks up or appends
   count for it (a window or trial the config does not have never reaches its metrics), and a second task of the
-  same kind in one config gets its own key prefix (``tasks[i]/``).
+  same kind in one config gets its own key prefix (``tasks[i]/``, :func:`task_label`).
 * Tokens: the marker records the hash of the corpus token ids the records were computed on; a resume on other
   token ids is refused (:meth:`RunDir.check_tokens`).
 """
@@ -430,12 +430,14 @@ class RunDir:
         return read_metrics(self.path)
 
 
-def task_prefix(kinds: Iterable[str], index: int) -> str:
-    """The key prefix of task entry ``index`` of a config whose entries have these ``kinds``: ``""`` for the first
-    entry of its kind (so run folders made before prefixes resume as they are), ``"tasks[i]/"`` for a later entry
-    of the same kind (two perplexity tasks in one config no longer share keys)."""
+def task_label(kinds: Iterable[str], index: int) -> str:
+    """What tells task entry ``index`` apart from the other entries of its kind in a config whose entries have
+    these ``kinds``: ``""`` for the first entry of its kind (its records keep bare keys and its metrics the top
+    level of ``metrics.json``, as in run folders made before labels), ``"tasks[i]"`` for a later entry of the
+    same kind (its records are keyed ``tasks[i]/...`` and its metrics go under ``metrics["tasks"]["tasks[i]"]``,
+    so that two perplexity tasks in one config share neither keys nor fields)."""
     kinds = list(kinds)
-    return f"tasks[{index}]/" if kinds[index] in kinds[:index] else ""
+    return f"tasks[{index}]" if kinds[index] in kinds[:index] else ""
 
 
 class _LookedUp(Set[str]):

@@ -7,7 +7,8 @@ reduced on the fly: one record per (window, policy) in ``records.jsonl``, full l
 
 NaN or infinity in the logits stops the run with one line before that window's records are written (metrics are
 never NaN): in the baseline's logits it is the model's fault (overflowing weights or activations, e.g. float16),
-in a policy's logits (or in the keys/values its quantizer is given) the quantizer's or the emulation's.
+in a policy's logits (or in the keys/values its quantizer is given) the quantizer's or the emulation's. The noise
+floor's decoded logits are checked the same way (:mod:`kveval.tasks._finite`, the check every task shares).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kveval.policy import KVPolicy
 from kveval.results.layout import BASELINE
 from kveval.schema import Strict
 from kveval.stats import bin_sums, bootstrap_ratio_ci, compare_logits
+from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
 
 NAME = "perplexity"
 
@@ -100,17 +102,9 @@ def _where(window, offset: int) -> str:
 
 def _check_finite(logits: torch.Tensor, window, name: str, dtype: str, offset: int = 0) -> None:
     """One line, naming whose fault it is, when the scored logits of a window hold NaN or infinity (``offset``:
-    the corpus position of the window's token 0, i.e. ``start_token``)."""
-    if bool(torch.isfinite(logits).all()):
-        return
-    kind = "NaN" if bool(torch.isnan(logits).any()) else "infinity"
-    where = _where(window, offset)
-    if name == BASELINE:
-        raise KvevalError(f"the model's own logits hold {kind} in {where} without any KV quantization: the model "
-                          f"overflows in {dtype} (its weights or activations); try model.dtype float32, or another "
-                          "model")
-    raise KvevalError(f"policy '{name}': its logits hold {kind} in {where} where the baseline's are finite: a fault "
-                      "of the quantizer or of the emulation under this policy (please report it)")
+    the corpus position of the window's token 0, i.e. ``start_token``): :func:`kveval.tasks._finite.check_finite_logits`."""
+    check_finite_logits(logits, where=_where(window, offset), dtype=dtype,
+                        quantized_by=None if name == BASELINE else f"policy '{name}'")
 
 
 def run(ctx, params: Params) -> dict:
@@ -147,16 +141,10 @@ def run(ctx, params: Params) -> dict:
                     metrics = compare_logits(base_scored, base_scored, tgt)
                 else:
                     policy = ctx.policies[name]
-                    try:
+                    with finite_quantizer_inputs(_where(w, params.start_token), f"policy '{name}'"):
                         with emulate(model, policy, prefill_len=params.prefill_tokens,
                                      diagnostics=params.diagnostics) as emu, torch.no_grad():
                             logits = _metric(model(ids[None]).logits[0, :-1])
-                    except ValueError as exc:
-                        if "non-finite" not in str(exc):
-                            raise
-                        raise KvevalError(f"policy '{name}': the keys or values given to its quantizer hold NaN or "
-                                          f"infinity in {_where(w, params.start_token)} although the baseline's "
-                                          "logits are finite") from None
                     _check_finite(logits[scored], w, name, ctx.cfg.model.dtype, params.start_token)
                     metrics = compare_logits(base_scored, logits[scored], tgt)
                     diag = emu.diagnostics() if params.diagnostics else None
@@ -186,14 +174,20 @@ def _noise_floor(ctx, params: Params, windows: list, names: list[str]) -> None:
             ids = w.input_ids.to(model.device)[None]
             policy = KVPolicy.preset("fp16") if name == BASELINE else ctx.policies[name]
             prefill = max(params.prefill_tokens, 1)
-            with torch.no_grad():
+            where = _where(w, params.start_token)
+            who = None if name == BASELINE else f"policy '{name}'"
+            with torch.no_grad(), finite_quantizer_inputs(where, who or "the full-precision cache"):
                 if name == BASELINE:
                     single = _metric(model(ids).logits[0, :-1])
                 else:
                     with emulate(model, policy, prefill_len=params.prefill_tokens):
                         single = _metric(model(ids).logits[0, :-1])
-            decoded = _metric(decode_logits(model, ids, policy, prefill_len=prefill)[0, :-1])
+                decoded = _metric(decode_logits(model, ids, policy, prefill_len=prefill)[0, :-1])
             scored = torch.arange(w.score_from - 1, ids.shape[1] - 1, device=ids.device)
+            dtype = ctx.cfg.model.dtype
+            check_finite_logits(single[scored], where=where, dtype=dtype, quantized_by=who)
+            check_finite_logits(decoded[scored], where=f"{where}, decoded token by token through the real cache",
+                                dtype=dtype, quantized_by=who or "the full-precision cache")
             tgt = ids[0, 1:][scored]
             a = compare_logits(single[scored], single[scored], tgt)
             b = compare_logits(single[scored], decoded[scored], tgt)

@@ -253,7 +253,8 @@ def test_two_perplexity_tasks_keep_their_own_records(tmp_path):
     n16 = len(list(token_windows(tokens, 16, max_tokens=128)))
     n32 = len(list(token_windows(tokens, 32, max_tokens=128)))
     assert len(second) == 2 * n16 and len(first) == 2 * n32
-    assert metrics["baseline"]["windows"] == n16, "the last task's metrics come from its own windows only"
+    assert metrics["baseline"]["windows"] == n32, "the first task's metrics come from its own windows only"
+    assert metrics["tasks"]["tasks[1]"]["baseline"]["windows"] == n16, "so do the second's, in their own section"
     again = run_experiment(validate(cfg), quiet=True)
     assert again == json.loads(json.dumps(metrics)) and len(lines_of(tmp_path / "two")) == len(keys)
 

@@ -30,6 +30,10 @@ Entry points::
     kveval lm-eval --kv int4_g64 -- --tasks kveval_facts_mc --include_path tests/lmeval_tasks --limit 20
 
 Under a ``none`` policy (``fp16``) the results equal plain ``HFLM`` on the same model to the last digit.
+
+NaN or infinity in the logits of a request (log-likelihood, or a generated token) stops the evaluation with one
+:class:`KvevalError` line naming whose fault it is (the model's when no layer is quantized, else the policy's):
+:mod:`kveval.tasks._finite`, the check every kveval task shares. lm-eval would otherwise score NaN silently.
 """
 
 from __future__ import annotations
@@ -45,10 +49,13 @@ from lm_eval.models.huggingface import HFLM
 from kveval.errors import KvevalError
 from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
 from kveval.policy import KVPolicy
+from kveval.tasks._finite import check_finite_logits, finite_generation, finite_quantizer_inputs
 
 log = logging.getLogger(__name__)
 
 PREFILL_MODES = ("none", "context")
+LOGLIKELIHOOD = "an lm-eval log-likelihood request"  # where, in the non-finite logits line
+GENERATION = "an lm-eval generation request"
 
 
 def resolve_policy(kv: str | dict | KVPolicy) -> KVPolicy:
@@ -154,16 +161,30 @@ class KVEvalLM(HFLM):
             )
         self.layers_quantized = count
 
+    # --- NaN or infinity: one line, never a silent score -----------------------------------------------------------
+    def _quantized_by(self) -> str | None:
+        """What quantizes the cache, for the non-finite check's message: None when no layer is quantized (then
+        the logits are the model's own)."""
+        return None if self.layers_quantized_expected == 0 else f"policy '{self.policy.name}'"
+
+    def _check_finite(self, logits: torch.Tensor, where: str) -> torch.Tensor:
+        """``logits``, after :func:`kveval.tasks._finite.check_finite_logits` (one KvevalError line on NaN or
+        infinity, naming the model or the policy)."""
+        check_finite_logits(logits, where=where, dtype=self._model.dtype, quantized_by=self._quantized_by())
+        return logits
+
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]`` of right-padded ``inps [batch, seq]`` under the policy's emulation."""
+        """Logits ``[batch, seq, vocab]`` of right-padded ``inps [batch, seq]`` under the policy's emulation;
+        NaN or infinity in them is one :class:`KvevalError` line, never a score."""
         if attn_mask is not None or labels is not None:
             raise KvevalError("kveval lm-eval model: encoder-decoder (seq2seq) models are not supported")
         if self.prefill == "context":
             return self._call_with_context(inps)
-        with emulate(self.model, self.policy, prefill_len=0) as emu:
-            out = super()._model_call(inps)
+        with finite_quantizer_inputs(LOGLIKELIHOOD, self._quantized_by() or "the full-precision model"):
+            with emulate(self.model, self.policy, prefill_len=0) as emu:
+                out = super()._model_call(inps)
         self._note(emu.layers_quantized)
-        return out
+        return self._check_finite(out, LOGLIKELIHOOD)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         """Remember each request's context length in its model input (for ``prefill=context``), then score."""
@@ -190,9 +211,11 @@ class KVEvalLM(HFLM):
         out = None
         for b, row in enumerate(inps.tolist()):
             n, ctx = self._lookup_context(row)
-            with emulate(self.model, self.policy, prefill_len=ctx) as emu:
-                logits = super()._model_call(inps[b : b + 1, :n])
+            with finite_quantizer_inputs(LOGLIKELIHOOD, self._quantized_by() or "the full-precision model"):
+                with emulate(self.model, self.policy, prefill_len=ctx) as emu:
+                    logits = super()._model_call(inps[b : b + 1, :n])
             self._note(emu.layers_quantized)
+            self._check_finite(logits, LOGLIKELIHOOD)
             if out is None:
                 out = logits.new_zeros(inps.shape[0], inps.shape[1], logits.shape[-1])
             out[b, :n] = logits[0]
@@ -202,9 +225,15 @@ class KVEvalLM(HFLM):
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         """Greedy/sampled generation with a fresh ``QuantizedKVCache`` (left padding of a batch is stored too,
         masked out by the attention mask; with batch_size 1 there is none)."""
+        from transformers import LogitsProcessorList
+
         cache = QuantizedKVCache(self.model, self.policy)
         generation_kwargs.update(cache_kwargs(self.model, cache))
-        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        finite = finite_generation(where=GENERATION, dtype=self._model.dtype, quantized_by=self._quantized_by())
+        generation_kwargs["logits_processor"] = LogitsProcessorList(
+            [*(generation_kwargs.get("logits_processor") or []), *finite])
+        with finite_quantizer_inputs(GENERATION, self._quantized_by() or "the full-precision model"):
+            out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         self._note(sum(1 for layer in cache.layers if not (layer.key_spec.is_none and layer.value_spec.is_none)))
         return out
 

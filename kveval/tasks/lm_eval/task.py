@@ -9,7 +9,9 @@ policy (plus ``delta_<metric>`` against the baseline) and under ``"baseline"``. 
 tag yields one entry per subtask (and the group's own aggregate, when lm-eval computes one).
 
 Metric names: lm-eval's ``"<metric>,<filter>"`` keys become ``<metric>`` when the filter is ``none`` or the only
-filter of that metric, and stay ``<metric>,<filter>`` otherwise.
+filter of that metric, and stay ``<metric>,<filter>`` otherwise. No number is NaN: NaN or infinity in the logits
+stops the run with one line (the bridge's check), a NaN metric likewise, and a standard error lm-eval could not
+compute is recorded as null (:func:`check_finite_metrics`).
 
 ``include_path``: a folder of lm-eval task YAMLs (e.g. ``tests/lmeval_tasks``). A relative path is resolved
 against the working directory, like every path in a kveval config (``output:``, ``data:``), and, when no such
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -39,6 +42,7 @@ from pydantic import Field
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
 from kveval.schema import Strict
+from kveval.tasks._finite import non_finite_numbers
 
 NAME = "lm_eval"
 REPO_ROOT = Path(__file__).resolve().parents[3]  # the checkout: kveval/tasks/lm_eval/task.py -> the folder of kveval/
@@ -318,8 +322,26 @@ def evaluate_one(ctx, params: Params, tm, task: str, policy) -> dict:
         except SecurityError as exc:
             raise KvevalError(f"lm-eval task '{task}': a template reaches into Python ({exc}); refused without "
                               "--allow-code") from None
+        except KvevalError as exc:  # NaN or infinity in the logits (the bridge's check): name the task too
+            sys.stderr.write("\n")  # end the line of lm-eval's progress bar, cut short, so the error starts its own
+            raise KvevalError(f"lm-eval task '{task}': {exc}") from None
     results = {name: metric_values(r) for name, r in res["results"].items()}
+    check_finite_metrics(results, task, BASELINE if policy is None else f"policy '{policy.name}'")
     return {"results": results, "layers_quantized": lm.get_model_info()["layers_quantized"]}
+
+
+def check_finite_metrics(results: dict, task: str, who: str) -> None:
+    """NaN or infinity among lm-eval's numbers for one (task, policy), in place: a standard error that lm-eval
+    could not compute becomes None (JSON null: not measured); a metric is one :class:`KvevalError` line, so that
+    no NaN metric is recorded (the logits were finite: the bridge checks them, so the metric itself is broken)."""
+    for sub, metrics in results.items():
+        for name in non_finite_numbers(metrics):
+            if "_stderr" in name:
+                metrics[name] = None
+                continue
+            raise KvevalError(f"lm-eval task '{task}' ({sub}) under {who}: metric '{name}' is {metrics[name]} "
+                              "although the logits were finite; nothing was recorded for it: check the task's "
+                              "metric definition, or leave this task out")
 
 
 def run(ctx, params: Params) -> dict:

@@ -17,6 +17,10 @@ add ``needle_accuracy_delta``, ``needle_logprob_delta`` and ``needle_lost`` (sha
 and the policy does not). The task draws nothing: with ``plots: true`` (the default) the report draws
 ``plots/needle_<policy>.png`` and ``plots/needle_<policy>_diff.png`` from these metrics
 (:mod:`kveval.report.task_figures`).
+
+NaN or infinity in a trial's logits (teacher-forced, or of a generated token) stops the run with one line that
+says whose fault it is (the model's, or the policy's quantizer or emulation) before that trial's record is
+written (:mod:`kveval.tasks._finite`): no score is ever NaN.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pydantic import Field, model_validator
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
 from kveval.schema import Strict
+from kveval.tasks._finite import check_finite_logits, finite_generation, finite_quantizer_inputs
 from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
     SentenceTokens,
@@ -145,12 +150,20 @@ def _accepts(model, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
 
 
-def score_answer(model, prompt_ids: list[int], answer_ids: list[int], policy=None) -> dict:
+def _quantized_by(policy) -> str | None:
+    """What quantized the cache, for the non-finite check's message: None for the unpatched model."""
+    return None if policy is None else f"policy '{policy.name}'"
+
+
+def score_answer(model, prompt_ids: list[int], answer_ids: list[int], policy=None, *,
+                 where: str = "a needle prompt") -> dict:
     """Teacher-forced: log-probs of ``answer_ids`` after ``prompt_ids`` in one pass (under ``emulate`` with
     ``prefill_len = len(prompt_ids)`` when ``policy`` is given; the unpatched model otherwise).
 
     Returns ``answer_logprob`` (mean per token), ``answer_logprob_sum``, ``answer_token_acc`` and
-    ``answer_tokens``. Only the last ``len(answer)+1`` logits are computed when the model allows it.
+    ``answer_tokens``. Only the last ``len(answer)+1`` logits are computed when the model allows it. Logits with
+    NaN or infinity raise one :class:`KvevalError` line naming ``where`` and whose fault it is
+    (:func:`kveval.tasks._finite.check_finite_logits`), never a NaN score.
     """
     from kveval.patch import emulate
 
@@ -158,8 +171,10 @@ def score_answer(model, prompt_ids: list[int], answer_ids: list[int], policy=Non
     ids = torch.tensor([list(prompt_ids) + list(answer_ids)], device=model.device)
     kwargs = {"logits_to_keep": n + 1} if _accepts(model, "logits_to_keep") else {}
     patch = emulate(model, policy, prefill_len=len(prompt_ids)) if policy is not None else nullcontext()
-    with patch, torch.no_grad():
+    who = _quantized_by(policy)
+    with finite_quantizer_inputs(where, who or "the full-precision model"), patch, torch.no_grad():
         logits = model(ids, **kwargs).logits[0, -(n + 1):-1].float()
+    check_finite_logits(logits, where=where, dtype=model.dtype, quantized_by=who)
     target = torch.tensor(answer_ids, device=logits.device)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None])[:, 0]
     return {
@@ -170,31 +185,41 @@ def score_answer(model, prompt_ids: list[int], answer_ids: list[int], policy=Non
     }
 
 
-def generate_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, policy=None) -> str:
+def generate_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, policy=None, *,
+                    where: str = "a needle prompt") -> str:
     """Greedy continuation of ``prompt_ids`` (through ``QuantizedKVCache(model, policy)`` when ``policy`` is
-    given), decoded without special tokens."""
+    given), decoded without special tokens. A generated token's logits with NaN or infinity raise one
+    :class:`KvevalError` line (:func:`kveval.tasks._finite.finite_generation`), never a silent answer."""
     from kveval.patch import QuantizedKVCache, cache_kwargs
 
     ids = torch.tensor([list(prompt_ids)], device=model.device)
+    who = _quantized_by(policy)
     kwargs = dict(
         max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
         pad_token_id=model.generation_config.pad_token_id or tokenizer.pad_token_id or tokenizer.eos_token_id,
+        logits_processor=finite_generation(where=f"{where} (generation)", dtype=model.dtype, quantized_by=who),
     )
     if policy is not None:
         kwargs.update(cache_kwargs(model, QuantizedKVCache(model, policy)))
-    with torch.no_grad():
+    with finite_quantizer_inputs(where, who or "the full-precision model"), torch.no_grad():
         out = model.generate(ids, **kwargs)
     return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
 
 
-def evaluate(model, tokenizer, spec, prompt, params: Params, policy=None) -> dict:
-    """Both scores of one trial under one policy (None: the unpatched model), with their timings."""
+def trial_words(context: int, depth: float, trial: int) -> str:
+    """A trial in words, for messages: ``needle trial 0 (context 64, depth 0.5)``."""
+    return f"needle trial {trial} (context {context}, depth {depth:g})"
+
+
+def evaluate(model, tokenizer, spec, prompt, params: Params, policy=None, *, where: str = "a needle prompt") -> dict:
+    """Both scores of one trial under one policy (None: the unpatched model), with their timings; ``where``: the
+    trial in words, for the one line that NaN or infinity in the logits stops the run with."""
     t0 = time.perf_counter()
-    rec = score_answer(model, prompt.input_ids, prompt.answer_ids, policy)
+    rec = score_answer(model, prompt.input_ids, prompt.answer_ids, policy, where=where)
     rec["seconds_score"] = time.perf_counter() - t0
     if params.generate:
         t0 = time.perf_counter()
-        text = generate_answer(model, tokenizer, prompt.input_ids, params.max_new_tokens, policy)
+        text = generate_answer(model, tokenizer, prompt.input_ids, params.max_new_tokens, policy, where=where)
         rec["seconds_generate"] = time.perf_counter() - t0
         rec["generated"] = text
         rec["exact_match"] = int(exact_match(text, spec.answer))
@@ -230,7 +255,8 @@ def run(ctx, params: Params) -> dict:
                     "trial": trial, "policy": name, "answer": spec.answer, "prompt_tokens": len(prompt.input_ids),
                     "needle_start": prompt.needle_start, "needle_depth_tokens": prompt.needle_start - prompt.haystack_start,
                 }
-                rec.update(evaluate(model, tok, spec, prompt, params, policy))
+                rec.update(evaluate(model, tok, spec, prompt, params, policy,
+                                    where=trial_words(context, depth, trial)))
                 ctx.run.append(rec)
                 advance(context)
     return aggregate(ctx.run.records(), list(ctx.policies))

@@ -11,6 +11,10 @@ ranking: {spec: [cells, most sensitive first]}, layer_ranking: {spec: [layers by
 k_vs_v: {spec: {key_kld_sum, value_kld_sum, ratio_key_over_value, layers_key_worse, more_sensitive}}, ...}``.
 The task draws nothing: with ``plots: true`` (the default) the report draws ``plots/sensitivity_heatmap.png`` and
 ``plots/sensitivity_ranked.png`` from these metrics (:mod:`kveval.report.task_figures`).
+
+NaN or infinity in a window's baseline logits (the model's fault) or in a cell's logits (the quantizer's or the
+emulation's) stops the scan with one line before that record is written (:mod:`kveval.tasks._finite`): no cell's
+KLD is ever NaN.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kveval.errors import KvevalError
 from kveval.policy.selectors import layers_of
 from kveval.quant import preset
 from kveval.schema import Strict
+from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
 
 NAME = "sensitivity"
 
@@ -112,12 +117,15 @@ def run(ctx, params: Params) -> dict:
         ctx.progress.log(f"sensitivity: resuming, {skipped} of {len(windows) * len(cells)} cells already recorded")
     mode = "naive" if params.naive else "reuse"
     model, verified = ctx.model, False
+    dtype = ctx.cfg.model.dtype
     with ctx.progress.task(f"sensitivity ({mode})", total=sum(len(cs) for _, cs in todo), unit="cell") as advance:
         for w, cs in todo:
             ids = w.input_ids.to(model.device)[None]
+            where = f"scan window {w.index} (corpus tokens {w.start}-{w.end})"
             prefix = baseline_prefix(model, ids, capture=not params.naive)
             sl = w.logits_slice
             targets = ids[0, w.score_from:]
+            check_finite_logits(prefix.logits[0, sl], where=where, dtype=dtype)
             base = baseline_terms(prefix.logits[0, sl])
             if not params.naive and not verified:
                 verify_replay(model, prefix)
@@ -128,7 +136,10 @@ def run(ctx, params: Params) -> dict:
                                 "nll_sum": fp["nll_sum"]})
             for layer, tensor, spec in cs:
                 policy = cell_policy(layer, tensor, spec)
-                logits = naive_logits(model, ids, policy) if params.naive else replay(model, prefix, layer, policy)
+                cell = f"scan cell layer {layer} {tensor}s under {spec}"
+                with finite_quantizer_inputs(where, cell):
+                    logits = naive_logits(model, ids, policy) if params.naive else replay(model, prefix, layer, policy)
+                check_finite_logits(logits[0, sl], where=where, dtype=dtype, quantized_by=cell)
                 rec = {"key": _key(w.index, (layer, tensor, spec)), "task": NAME, "window": w.index,
                        "layer": layer, "tensor": tensor, "spec": spec, "n_tokens": w.n_scored, "mode": mode}
                 rec.update(compare(base, logits[0, sl], targets))
