@@ -282,3 +282,42 @@ def test_every_llamacpp_type_has_a_spec():
 
     assert preset(LLAMACPP_SPECS["q8_0"]).ggml == "q8_0_x86"
     assert all(LLAMACPP_SPECS[t] == "none" or preset(LLAMACPP_SPECS[t]).ggml is not None for t in LLAMACPP_SPECS)
+
+
+def test_gguf_order_acts_only_on_families_whose_gguf_is_permuted(tiny_llama64, tiny_gemma3_64, monkeypatch):
+    """llama.cpp converts Llama/Mistral/Mixtral Q/K rows to its interleaved order, other families (Gemma, Qwen)
+    keep HF's: a llama.cpp preset leaves ``gguf_order`` out of a Gemma model's chains, and its numbers then equal
+    those of the same policy written without it (on a head_dim-64 Gemma, where the order would matter)."""
+    from transformers import AutoModelForCausalLM
+
+    from kveval.models import tiny_model_config
+    from kveval.patch.quantizers import layer_quantizers, model_type_of
+    from kveval.transforms import gguf_order
+
+    (llama, _), (gemma, _) = tiny_llama64, tiny_gemma3_64
+    assert (model_type_of(llama), model_type_of(gemma)) == ("llama", "gemma3_text")
+    policy = KVPolicy.preset("llamacpp_q4_0")
+
+    def names(model_type):
+        k, _ = layer_quantizers(policy, 0, 4, model_type=model_type)
+        return [t.name for t in k.transforms.transforms]
+
+    assert "gguf_order" in names("llama") and "gguf_order" in names("mistral")
+    assert "gguf_order" not in names("gemma3_text") and "gguf_order" not in names("qwen3")
+    assert "gguf_order" in names(None)  # unknown family: as the preset says
+
+    cfg = tiny_model_config("tiny-gemma3")
+    cfg.head_dim = 64
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        gemma64 = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    gemma64 = gemma64.to(torch.float64).eval().requires_grad_(False)
+    config = policy.to_config()
+    config["transforms"] = [t for t in config["transforms"] if t != "gguf_order"]
+    without = KVPolicy.from_config(config)
+    ids = ids_for(gemma64, 24)
+    got = emulated_logits(gemma64, ids, policy)
+    assert torch.equal(got, emulated_logits(gemma64, ids, without))
+    # were Gemma's GGUF permuted, the 32-wide blocks would hold other channels and the numbers would differ
+    monkeypatch.setattr(gguf_order, "PERMUTED_MODEL_TYPES", frozenset({"gemma3_text"}))
+    assert (emulated_logits(gemma64, ids, policy) - got).abs().max() > 1e-6

@@ -272,3 +272,97 @@ def test_chains_split_a_sequence_by_tensor():
     assert not keys.has_query_hook and not values.has_output_hook and not keys.domain
     x = torch.randn(1, 2, 3, 8)
     assert keys.to_attention(x) is x, "full-precision tokens skip transforms that undo themselves on read"
+
+
+# --- the attention hook: a transform computing the attention itself -------------------------------------------------
+@register
+@dataclass(frozen=True)
+class ToySoftmaxAttention(KVTransform):
+    """softmax(q kᵀ · scaling) v computed by hand in the attention hook, checking the hook's contract on the way:
+    the positions a query may see are distinct (emulation's ``[k ; k̂]`` holds every token twice) and form one run
+    (causal or sliding-window attention: a wrong position would leave a gap)."""
+
+    name: ClassVar[str] = "toy_softmax_attention"
+
+    def attention(self, q, k, v, allowed, key_positions, scaling, ctx):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        seen = allowed.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        per_position = torch.zeros(*seen.shape[:-1], int(key_positions.max()) + 1, dtype=torch.int64)
+        per_position.scatter_add_(-1, key_positions.expand(seen.shape), seen.to(torch.int64))
+        assert int(per_position.max()) <= 1, "a query sees two versions of one token"
+        visible = per_position > 0
+        n_positions = visible.shape[-1]
+        first = visible.to(torch.int8).argmax(-1)
+        last = n_positions - 1 - visible.flip(-1).to(torch.int8).argmax(-1)
+        count = visible.sum(-1)
+        assert bool(((count == 0) | (count == last - first + 1)).all()), "the visible positions have a gap"
+        scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("model_fixture", MODELS)
+def test_an_exact_attention_hook_leaves_the_logits_unchanged(model_fixture, request):
+    """Format none with the toy hook: the baseline's logits through both paths (GQA, masks, sliding windows)."""
+    model, _ = request.getfixturevalue(model_fixture)
+    ids = ids_for(model, 30)
+    with torch.no_grad():
+        baseline = model(ids).logits
+    policy = KVPolicy(transforms=(ToySoftmaxAttention(),))
+    torch.testing.assert_close(emulated(model, ids, policy), baseline, rtol=0, atol=1e-10)
+    torch.testing.assert_close(decoded(model, ids, policy), baseline, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["token_int4", "group_int4_sinks_residual", "kivi_block"])
+@pytest.mark.parametrize("model_fixture", MODELS)
+def test_an_attention_hook_sees_what_the_stock_attention_sees(name, model_fixture, request):
+    """With quantized K/V (and windows, sinks, KIVI's split schedules: emulation's mixed ``[k ; k̂]`` calls), the
+    toy hook gives the logits of the same policy without it, emulated and decoded, float64."""
+    model, _ = request.getfixturevalue(model_fixture)
+    ids = ids_for(model, 30)
+    plain = POLICIES[name]
+    hooked = replace(plain, transforms=(ToySoftmaxAttention(),))
+    torch.testing.assert_close(emulated(model, ids, hooked, 9), emulated(model, ids, plain, 9), rtol=0, atol=1e-10)
+    torch.testing.assert_close(decoded(model, ids, hooked, 9), decoded(model, ids, plain, 9), rtol=0, atol=1e-10)
+
+
+def test_the_attention_hook_really_runs(tiny_llama64, monkeypatch):
+    """Every attention call of both paths goes through the hook (4 layers: one emulated pass, 1 + 9 decode calls)."""
+    model, _ = tiny_llama64
+    ids = ids_for(model, 10)
+    calls = []
+    original = ToySoftmaxAttention.attention
+    monkeypatch.setattr(ToySoftmaxAttention, "attention",
+                        lambda self, *a: calls.append(a[0].shape[-2]) or original(self, *a))
+    policy = KVPolicy(key=INT4, value=INT4, transforms=(ToySoftmaxAttention(),))
+    emulated(model, ids, policy)
+    assert calls == [10] * 4
+    calls.clear()
+    decoded(model, ids, policy)
+    assert calls == [1] * 40
+
+
+def test_two_attention_hooks_are_one_line_errors():
+    msg = one_line_error({"spec": "fp8_e4m3", "transforms": ["toy_softmax_attention", "fa3_fp8_attention"]})
+    assert "both replace the attention computation" in msg
+    assert "positive integer" in one_line_error({"spec": "int8", "transforms": [{"name": "fa3_fp8_attention",
+                                                                                  "block_n": 0}]})
+    assert "positive finite" in one_line_error({"spec": "int8", "transforms": [{"name": "query_fp8", "scale": -1}]})
+
+
+def test_the_attention_hook_belongs_to_the_value_chain():
+    seq = KVPolicy(transforms=(ToySoftmaxAttention(),)).transform_sequence()
+    keys, values = TransformChain.of(seq, "key", 0), TransformChain.of(seq, "value", 0)
+    assert keys.transforms == () and keys.attention_transform is None
+    assert values.attention_transform == ToySoftmaxAttention()
+    k_q, v_q = layer_quantizers(KVPolicy(transforms=(ToySoftmaxAttention(),)), 0, 4)
+    assert v_q.replaces_attention and v_q.hooks_attention and not k_q.hooks_attention
+
+
+def test_an_attention_hook_refuses_soft_capping():
+    from kveval.patch.attention import attention_call
+
+    _, v_q = layer_quantizers(KVPolicy(transforms=(ToySoftmaxAttention(),)), 0, 4)
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(KvevalError, match="cannot compute attention with 'softcap'"):
+        attention_call(None, v_q)(torch.nn.Module(), q, q, q, None, softcap=50.0)

@@ -7,6 +7,9 @@ kveval state attached, and layers whose specs are ``none``, go straight to it wi
 Two ways to attach states: ``patched(model, states)`` for the duration of a ``with`` block (emulation,
 calibration), and ``patched_while_passed(model, states, owner)`` for exactly the forward calls that receive
 ``owner`` (the real cache, whose K/V transforms hook the query and the attention output).
+
+When a K/V transform computes the attention itself (an attention hook, e.g. FlashAttention 3's FP8 arithmetic),
+``attention_call`` puts it in the stock function's place, for emulation and the real cache alike.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ import sys
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kveval.errors import KvevalError
+
+if TYPE_CHECKING:
+    from kveval.patch.quantizers import TensorQuantizer
 
 STATE_ATTR = "_kveval_emulation"
 WRAPPABLE = ("sdpa", "eager")
@@ -61,6 +68,43 @@ def inner_mask(mask: torch.Tensor, implementation: str, dtype: torch.dtype) -> t
         zero = torch.zeros((), dtype=dtype, device=mask.device)
         return torch.where(mask, zero, torch.finfo(dtype).min)
     return mask
+
+
+def attention_call(stock: Callable, value_q: TensorQuantizer, rope=None) -> Callable:
+    """The attention function a patched layer calls: the stock signature plus ``key_positions``,
+    ``fn(module, query, key, value, attention_mask, *args, key_positions=None, **kwargs) -> (output, weights)``,
+    query ``[batch, heads, Tq, head_dim]``, key/value ``[batch, kv_heads, Tk, head_dim]``, output ``[batch, Tq,
+    heads, head_dim]``.
+
+    Without an attention hook on the value chain this is ``stock`` (``key_positions`` is dropped). With one, the
+    hook computes the output (weights None) from: the mask as bool (``allowed_mask``; no mask with
+    ``is_causal=False``: every key), ``key_positions`` int64 ``[Tk]`` (default 0..Tk-1: keys in position order from
+    the first token) and the softmax scale (the ``scaling`` keyword, else ``module.scaling``, else
+    head_dim^-0.5). Attention with soft-capped logits, sinks or a position bias is refused (KvevalError)."""
+    if not value_q.replaces_attention:
+        def plain(module, query, key, value, attention_mask, *args, key_positions=None, **kwargs):
+            return stock(module, query, key, value, attention_mask, *args, **kwargs)
+        return plain
+
+    def hooked(module, query, key, value, attention_mask, *args, key_positions=None, **kwargs):
+        for unsupported in ("softcap", "s_aux", "position_bias"):
+            if kwargs.get(unsupported) is not None:
+                raise KvevalError(f"{type(module).__name__}: an attention transform cannot compute attention with "
+                                  f"'{unsupported}'; use a policy without one")
+        q_len, kv_len = query.shape[-2], key.shape[-2]
+        if attention_mask is None and kwargs.get("is_causal") is False:
+            allowed = torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=key.device)
+        else:
+            allowed = allowed_mask(attention_mask, q_len, kv_len, key.device)
+        if key_positions is None:
+            key_positions = torch.arange(kv_len, device=key.device)
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        out = value_q.attention(query, key, value, allowed, key_positions, float(scaling), rope)
+        return out.transpose(1, 2).contiguous(), None
+
+    return hooked
 
 
 def _register(name: str, implementation: str, dispatch: Callable) -> None:

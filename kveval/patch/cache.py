@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kveval.memory.bill import check_sliding_window, sliding_window_layers
 from kveval.patch import attention as attn
 from kveval.patch.attention import attention_modules
-from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, policy_scales
+from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, model_type_of, policy_scales
 from kveval.patch.rope_capture import rope_for, track_rope
 from kveval.policy import KVPolicy
 from kveval.quant import QuantizedTensor, dequantize
@@ -197,11 +197,16 @@ class QuantizedKVLayer(DynamicLayer):
 
     def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
         """The attention call while this layer's cache is in use (``kveval.patch.attention.patched_while_passed``,
-        only for layers whose transforms hook the query or the output): the query hooks, the stock attention over
-        the keys/values ``update`` returned, then the output hooks. (output, weights) as the stock function."""
+        only for layers whose transforms hook the query, the output or the attention itself): the query hooks, the
+        stock attention (or the transforms' own, ``attn.attention_call``) over the keys/values ``update`` returned,
+        then the output hooks. (output, weights) as the stock function."""
         stock = attn.stock_attention(module, self.implementation or "sdpa")
         rope = rope_for(module, query.shape[-1], self.key_q, self.value_q)
-        out, weights = stock(module, self.key_q.query(query, rope), key, value, attention_mask, *args, **kwargs)
+        compute = attn.attention_call(stock, self.value_q, rope)
+        # ``update`` returned the newest positions in order, ending at n_stored (older ones may be evicted)
+        positions = torch.arange(self.n_stored - key.shape[-2], self.n_stored, device=key.device)
+        out, weights = compute(module, self.key_q.query(query, rope), key, value, attention_mask, *args,
+                               key_positions=positions, **kwargs)
         return self.value_q.output(out, rope), weights
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -446,7 +451,8 @@ class QuantizedKVCache(Cache):
         scales = policy_scales(policy, model)
         if any(t.needs_rope for t in policy.transform_sequence()):
             track_rope(model)
-        quantizers = [layer_quantizers(policy, m.layer_idx, n, scales, model.device) for m in modules]
+        quantizers = [layer_quantizers(policy, m.layer_idx, n, scales, model.device, model_type_of(model))
+                      for m in modules]
         hooked = any(q.hooks_attention for pair in quantizers for q in pair)
         base = attn.base_implementation(model) if hooked else None
         layers = [

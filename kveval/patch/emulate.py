@@ -25,7 +25,9 @@ masks agree on every visible pair, the two-part path above runs unchanged.
 K/V transforms (``kveval.transforms``, through ``TensorQuantizer``): ``k̂`` is ``key_out(Q(key_in(k)))`` and ``k``
 stands for the full-precision key as attention reads it (``TensorQuantizer.full_precision``: ``k`` itself unless a
 transform keeps keys in its domain); the query goes through the query hooks and the attention output through the
-output hooks, exactly as around the real cache (``QuantizedKVCache``).
+output hooks, exactly as around the real cache (``QuantizedKVCache``). A transform with an attention hook
+(``kveval.patch.attention.attention_call``) computes every attention call in the stock function's place; it is
+told each key's token position, since the concatenated ``[k ; k̂]`` holds every token twice.
 
 Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
 """
@@ -40,7 +42,7 @@ import torch
 from kveval.errors import KvevalError
 from kveval.patch import attention as attn
 from kveval.patch.diagnostics import TensorErrorStats
-from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, policy_scales
+from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, model_type_of, policy_scales
 from kveval.patch.rope_capture import rope_for, track_rope
 from kveval.policy import KVPolicy
 from kveval.policy.masks import Schedule
@@ -136,18 +138,20 @@ class LayerEmulation:
             )
         kq, vq = self.key_q, self.value_q
         rope = rope_for(module, key.shape[-1], kq, vq)
+        compute = attn.attention_call(stock, vq, rope)  # stock, or the transforms' own attention
         query = kq.query(query, rope)  # each of these returns its input when no transform acts
         key_fp, value_fp = kq.full_precision(key, rope), vq.full_precision(value, rope)
         if not self.quantizes:
-            out, weights = stock(module, query, key_fp, value_fp, attention_mask, *args, **kwargs)
+            out, weights = compute(module, query, key_fp, value_fp, attention_mask, *args, **kwargs)
             return vq.output(out, rope), weights
-        out, weights = self._mixed(stock, module, query, key, value, key_fp, value_fp, rope, attention_mask,
+        out, weights = self._mixed(compute, module, query, key, value, key_fp, value_fp, rope, attention_mask,
                                    *args, **kwargs)
         return vq.output(out, rope), weights
 
-    def _mixed(self, stock, module, query, key, value, key_fp, value_fp, rope, attention_mask, *args, **kwargs):
+    def _mixed(self, compute, module, query, key, value, key_fp, value_fp, rope, attention_mask, *args, **kwargs):
         """Attention of ``query`` (after the query hooks) over the full-precision (``key_fp``, ``value_fp``: as
-        attention reads them) and quantized versions of the model's ``key``/``value``; (output, weights)."""
+        attention reads them) and quantized versions of the model's ``key``/``value``; (output, weights).
+        ``compute``: ``attn.attention_call``'s function (``key_positions``: each key's token position)."""
         T = key.shape[-2]
         pol, prompt = self.policy, max(self.prefill_len, 1)
         k_hat = quantized_version(key, self.key_q, pol.schedule("key"), rope, key_fp, prompt)
@@ -157,14 +161,14 @@ class LayerEmulation:
             self.key_stats.update(key, k_hat)
             self.value_stats.update(value, v_hat)
         if not self.policy.has_full_precision_tokens(self.prefill_len):
-            return stock(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
+            return compute(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
         fp, fp_v = self.visibility(T, key.device)
         # with an FP prefill, the P prompt queries see only full-precision keys: they run the model's own attention
         # over the prompt (its mask, or none: causal) and only the decoded queries attend over [k ; k̂]
         P = self.prefill_len if self.policy.prefill == "fp" and self.prefill_len < T else 0
         if P:
             head = None if attention_mask is None else attention_mask[..., :P, :P]
-            out_p, _ = stock(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)
+            out_p, _ = compute(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)
         rows = None if attention_mask is None else attention_mask[..., P:, :]
         allowed = attn.allowed_mask(rows, T - P, T, key.device)  # [.., T - P, T]
         if fp_v is None:
@@ -179,7 +183,8 @@ class LayerEmulation:
         mask = attn.inner_mask(mask, self.implementation, query.dtype)
         keys = torch.cat([k for k, _, _ in parts], dim=-2)
         values = torch.cat([v for _, v, _ in parts], dim=-2)
-        out = stock(module, query[:, :, P:], keys, values, mask, *args, **kwargs)
+        positions = torch.arange(T, device=key.device).repeat(len(parts))  # the parts are versions of tokens 0..T-1
+        out = compute(module, query[:, :, P:], keys, values, mask, *args, key_positions=positions, **kwargs)
         if not P:
             return out
         return torch.cat([out_p, out[0]], dim=1), None  # outputs are [batch, T, heads, head_dim]
@@ -228,7 +233,8 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
     states = []
     masks: dict = {}
     for module in modules:
-        k_q, v_q = layer_quantizers(policy, module.layer_idx, num_layers, scales, model.device)
+        k_q, v_q = layer_quantizers(policy, module.layer_idx, num_layers, scales, model.device,
+                                    model_type_of(model))
         states.append(LayerEmulation(
             module.layer_idx, k_q, v_q, policy, base, prefill_len=prefill_len, diagnostics=diagnostics,
             mask_cache=masks,

@@ -2,7 +2,8 @@
 the layer's side of the policy's K/V transforms (``kveval.transforms``: pre-RoPE keys, rotations, ...). Shared by
 ``emulate`` and ``QuantizedKVCache``: both paths apply exactly the same transforms and quantizer to the same tensor
 through the methods below (``fake`` in emulation; ``quantize`` + ``read_back`` in the cache; ``full_precision``
-for tokens never quantized; ``query`` and ``output`` around the attention call in both).
+for tokens never quantized; ``query`` and ``output`` around the attention call in both, and ``attention`` in
+place of it when a transform replaces the attention computation).
 
 Shapes: K/V ``x [batch, kv_heads, T, head_dim]``, queries ``[batch, heads, T, head_dim]``, attention outputs
 ``[batch, heads, T, head_dim]``; ``rope = (cos, sin)`` ``[batch, T, head_dim]`` of the tensor's positions, needed
@@ -57,8 +58,14 @@ class TensorQuantizer:
 
     @property
     def hooks_attention(self) -> bool:
-        """Whether a query hook (keys) or an output hook (values) acts around the attention call."""
-        return self.transforms.has_query_hook or self.transforms.has_output_hook
+        """Whether a query hook (keys), an output hook (values) or an attention hook (values) acts around or in
+        place of the attention call."""
+        return self.transforms.has_query_hook or self.transforms.has_output_hook or self.replaces_attention
+
+    @property
+    def replaces_attention(self) -> bool:
+        """Whether a transform of this (value) chain computes the attention itself (``attention``)."""
+        return self.transforms.attention_transform is not None
 
     def fake(self, x: torch.Tensor, channel_block: int | None, rope: Rope | None = None) -> torch.Tensor:
         """x̂ of x ``[batch, kv_heads, T, head_dim]`` as attention reads it: transforms in, fake quantization,
@@ -86,6 +93,14 @@ class TensorQuantizer:
         """The query ``[batch, heads, T, head_dim]`` before the dot product (key quantizers' query hooks)."""
         return self.transforms.query(q, rope)
 
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                  key_positions: torch.Tensor, scaling: float, rope: Rope | None = None) -> torch.Tensor:
+        """The attention computed by the value chain's attention hook (``replaces_attention``): q ``[batch, heads,
+        Tq, head_dim]`` after the query hooks, k/v ``[batch, kv_heads, Tk, head_dim]`` as attention reads them,
+        ``allowed`` bool broadcastable to ``[batch, heads, Tq, Tk]``, ``key_positions`` int64 ``[Tk]``; returns
+        ``[batch, heads, Tq, head_dim]`` (before the output hooks)."""
+        return self.transforms.attention(q, k, v, allowed, key_positions, scaling, rope)
+
     def output(self, o: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         """The attention output in transformers' layout ``[batch, T, heads, head_dim]`` after the value
         quantizer's output hooks (which see ``[batch, heads, T, head_dim]``); ``o`` itself without hooks."""
@@ -111,13 +126,25 @@ def policy_scales(policy: KVPolicy, model):
     return sf
 
 
+def model_type_of(model) -> str | None:
+    """The text model's ``config.model_type`` (None when the model has no config)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "model_type", None)
+
+
 def layer_quantizers(policy: KVPolicy, layer: int, num_layers: int, scales=None,
-                     device: torch.device | str | None = None) -> tuple[TensorQuantizer, TensorQuantizer]:
+                     device: torch.device | str | None = None,
+                     model_type: str | None = None) -> tuple[TensorQuantizer, TensorQuantizer]:
     """(key, value) quantizers of one layer under ``policy``; ``scales`` from ``policy_scales``; calibrated
     parameters are moved to ``device`` (the model's). The scales file's kind follows the stored domain
-    (``key_pre_rope`` with pre_rope); a transform whose stored domain no scales describe is a KvevalError."""
+    (``key_pre_rope`` with pre_rope); a transform whose stored domain no scales describe is a KvevalError.
+    ``model_type`` (``model_type_of(model)``): transforms that do not apply to it (``KVTransform.applies_to``,
+    e.g. ``gguf_order`` on a Qwen model) are left out."""
     key_spec, value_spec = policy.specs_for_layer(layer, num_layers)
-    sequence = policy.transform_sequence()
+    sequence = tuple(t for t in policy.transform_sequence() if t.applies_to(model_type))
     out = []
     kinds: tuple[tuple[Kind, QuantSpec], ...] = (("key", key_spec), ("value", value_spec))
     for kind, spec in kinds:

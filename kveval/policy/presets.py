@@ -116,6 +116,13 @@ POLICY_PRESETS: dict[str, tuple[dict, str]] = {
         {"spec": "fp8_e4m3_head", "scales": "auto", "prefill": "quantized"},
         "vLLM FP8 E4M3 with calibrated per-head scales (as llm-compressor writes them)",
     ),
+    # vLLM's FLASH_ATTN backend on FlashAttention 3 (Hopper): vllm/attention/layer.py, vllm/v1/attention/backends/
+    # flash_attn.py; vllm-project/flash-attention hopper/ (kveval.transforms.query_fp8, fa3_fp8_attention)
+    "vllm_fp8_fa3": (
+        {"spec": "fp8_e4m3", "prefill": "quantized",
+         "transforms": [{"name": "query_fp8", "scale": 1.0}, {"name": "fa3_fp8_attention", "block_n": 128}]},
+        "vLLM (read at vllm@5704f34, vllm-flash-attn@617264c) --kv-cache-dtype fp8 on FlashAttention 3: E4M3 K/V scale 1.0, query cast to E4M3 (q_scale 1.0), softmax probabilities x256 rounded to E4M3 per 128-key tile for P.V",
+    ),
     "trtllm_int8": (
         {"spec": "int8_tensor", "scales": "auto"},
         "TensorRT-LLM INT8 KV cache: symmetric, one calibrated per-tensor scale per layer and K/V",
@@ -151,6 +158,54 @@ POLICY_PRESETS: dict[str, tuple[dict, str]] = {
             "scales": "auto",
         },
         "KVQuant-4bit-1%: pre-RoPE per-channel keys with calibrated scales, per-token values, 1% outliers of each vector kept exactly (uniform INT4 instead of KVQuant's non-uniform codes)",
+    ),
+    # vLLM >= 0.20.1 --kv-cache-dtype turboquant_* (model_executor/layers/quantization/turboquant/config.py TQ_PRESETS;
+    # engine/arg_utils.py skips the first and last 2 layers of a dense model; a first prompt chunk attends to its raw K/V)
+    "vllm_turboquant_k8v4": (
+        {"key": "fp8_e4m3", "value": "turboquant_v4", "prefill": "fp",
+         "layers": {"first 2, last 2": {"spec": "none"}}},
+        "vLLM 0.20.1+ --kv-cache-dtype turboquant_k8v4: keys FP8 E4M3 unscaled, values 4-bit uniform per token (fp16 scale + min); first and last 2 layers in the model's dtype",
+    ),
+    "vllm_turboquant_4bit_nc": (
+        {"key": "turboquant_k4_nc", "value": "turboquant_v4", "prefill": "fp",
+         "layers": {"first 2, last 2": {"spec": "none"}}},
+        "vLLM 0.20.1+ --kv-cache-dtype turboquant_4bit_nc: keys Hadamard + 4-bit Lloyd-Max codebook + fp16 norm with norm correction, values 4-bit uniform per token; first and last 2 layers in the model's dtype",
+    ),
+    "vllm_turboquant_k3v4_nc": (
+        {"key": "turboquant_k3_nc", "value": "turboquant_v4", "prefill": "fp",
+         "layers": {"first 2, last 2": {"spec": "none"}}},
+        "vLLM 0.20.1+ --kv-cache-dtype turboquant_k3v4_nc: keys Hadamard + 3-bit Lloyd-Max codebook + fp16 norm with norm correction, values 4-bit uniform per token; first and last 2 layers in the model's dtype",
+    ),
+    "vllm_turboquant_3bit_nc": (
+        {"key": "turboquant_k3_nc", "value": "turboquant_v3", "prefill": "fp",
+         "layers": {"first 2, last 2": {"spec": "none"}}},
+        "vLLM 0.20.1+ --kv-cache-dtype turboquant_3bit_nc: keys Hadamard + 3-bit Lloyd-Max codebook + fp16 norm with norm correction, values 3-bit uniform per token; first and last 2 layers in the model's dtype",
+    ),
+    # FP4 microscaling and per-token-head caches of vLLM 0.33.0 and SGLang (docs/engines.md; the formats in
+    # kveval/quant/formats/fp4.py and per_token_head.py name the source files they follow)
+    "vllm_nvfp4": (
+        {"spec": "nvfp4", "prefill": "quantized"},
+        "vLLM 0.33.0 --kv-cache-dtype nvfp4 (SM100 trtllm-gen / FlashInfer): E2M1 with an E4M3 scale per 16 and k/v_scale 1.0 as fp32 per-tensor scale (no checkpoint scales; scales: auto calibrates amax/2688), prompt attends to the quantized cache",
+    ),
+    "vllm_nvfp4_4over6": (
+        {"spec": "nvfp4_4over6", "prefill": "quantized"},
+        "vLLM 0.33.0 --kv-cache-dtype nvfp4_4over6 (SM100): nvfp4 whose block scale is max/6 or max/4, the smaller squared error; k/v_scale 1.0, prompt attends to the quantized cache",
+    ),
+    "vllm_int8_per_token_head": (
+        {"spec": "int8_per_token_head", "prefill": "quantized"},
+        "vLLM 0.33.0 --kv-cache-dtype int8_per_token_head (Triton backend): symmetric INT8, fp32 scale max(amax/127, 1e-6) per token and KV head, round half away from zero; prompt attends to the quantized cache",
+    ),
+    "vllm_fp8_per_token_head": (
+        {"spec": "fp8_per_token_head", "prefill": "quantized"},
+        "vLLM 0.33.0 --kv-cache-dtype fp8_per_token_head (Triton backend): FP8 E4M3, fp32 scale max(amax/448, 1e-6) per token and KV head; prompt attends to the quantized cache",
+    ),
+    "vllm_int4_per_token_head": (
+        {"spec": "int4_per_token_head", "prefill": "quantized"},
+        "vLLM 0.33.0 --kv-cache-dtype int4_per_token_head (Triton backend): seeded randomized Hadamard rotation, asymmetric INT4 per token and KV head, fp32 scale holding the zero point in its low 4 bits; prompt attends to the quantized cache",
+    ),
+    "sglang_fp4_e2m1": (
+        {"spec": "fp4_mx_block16", "prefill": "fp"},
+        "SGLang --kv-cache-dtype fp4_e2m1 (0.5.x; fp4_mx_block16 in 0.5.23): E2M1 per 16 with a power-of-two scale 2^ceil(log2(amax/6)), ties up; a prompt attends to its own K/V in full precision (Triton extend), decode reads the FP4 cache",
     ),
 }
 

@@ -41,7 +41,7 @@ import torch
 from .formats.base import SCALE_TORCH_DTYPES, QParams, check_finite, minmax
 from .granularity import Segment
 from .packing import pack, unpack
-from .spec import QuantSpec
+from .spec import BLOCK_SCALE_DTYPES, QuantSpec
 
 __all__ = [
     "QParams", "QuantizedTensor", "choose_qparams", "quantize", "dequantize", "fake_quantize", "pack", "unpack",
@@ -196,7 +196,7 @@ def choose_qparams(x: torch.Tensor, spec: QuantSpec, *, channel_block: int | Non
 
 def _empty_qparams(spec: QuantSpec, shape: tuple[int, ...], cb: int | None) -> QParams:
     ss = _scale_shape(spec, shape, cb)
-    scale = torch.zeros(ss, dtype=SCALE_TORCH_DTYPES[spec.scale_dtype])
+    scale = torch.zeros(ss, dtype=SCALE_TORCH_DTYPES.get(spec.scale_dtype) or BLOCK_SCALE_DTYPES[spec.scale_dtype])
     zp = None
     if spec.mapping == "asymmetric":
         zp = torch.zeros(ss, dtype=torch.uint8 if spec.zero_point == "int" else scale.dtype)

@@ -17,7 +17,9 @@ types, or one registered from outside) and its granularity (`spec.gran`, `kveval
   statistics (`qparams=` in `primitives`); a channel spec is then one scale per channel and head, for every token.
 - scale_dtype: float16 (default), bfloat16, float32, float64, or "model": the dtype of the tensor quantized (the
   model's K/V dtype, as optimum-quanto stores transformers' QuantizedCache scales); `resolved(dtype)` turns it into
-  that dtype's name (`primitives` does so from the tensor, the memory bill from its element dtype).
+  that dtype's name (`primitives` does so from the tensor, the memory bill from its element dtype); "e8m0" (OCP
+  E8M0, one byte 2^(e - 127)) only for the formats that own that block-scale encoding (mxfp4, fp4_mx_block16:
+  their `scale_dtypes`), held as torch.float8_e8m0fnu.
 - group_size: elements of head_dim per group (granularity 'group'), or tokens per group (granularity 'channel':
   KIVI's keys, per channel over G = 32 consecutive tokens).
 """
@@ -37,7 +39,9 @@ from .formats.base import MODEL_DTYPE, SCALE_TORCH_DTYPES
 from .granularity import GRANULARITIES, Granularity, granularity_of
 
 MAPPINGS = ("symmetric", "asymmetric")
-SCALE_DTYPES = (*SCALE_TORCH_DTYPES, MODEL_DTYPE)
+#: block-scale encodings taken only by the formats that list them in their ``scale_dtypes`` (-> torch dtype)
+BLOCK_SCALE_DTYPES: dict[str, torch.dtype] = {"e8m0": torch.float8_e8m0fnu}
+SCALE_DTYPES = (*SCALE_TORCH_DTYPES, MODEL_DTYPE, *BLOCK_SCALE_DTYPES)
 ZERO_POINTS = ("float", "int")
 
 __all__ = ["QuantSpec", "MAPPINGS", "GRANULARITIES", "SCALE_DTYPES", "ZERO_POINTS", "GGML_TYPES", "GGML_BLOCK"]
@@ -83,6 +87,9 @@ class QuantSpec:
         if not _is_int(self.bits):
             raise ValueError(f"QuantSpec.bits must be an integer; got {self.bits!r}")
         fmt = get_format(self.format)
+        if self.scale_dtype in BLOCK_SCALE_DTYPES and self.scale_dtype not in getattr(fmt, "scale_dtypes", ()):
+            raise ValueError(f"QuantSpec.scale_dtype {self.scale_dtype!r} is a block-scale encoding that format "
+                             f"{self.format!r} does not take")
         fmt.validate(self)
         if self.granularity == "group":
             if not _is_int(self.group_size) or self.group_size <= 0:
@@ -192,9 +199,11 @@ class QuantSpec:
         return dataclasses.replace(self, scale_dtype=names[dtype])
 
     def check_head_dim(self, head_dim: int) -> None:
-        """Raise ValueError unless group_size divides head_dim, e.g. 'group_size 48 does not divide head_dim 64'."""
+        """Raise ValueError unless group_size divides head_dim, e.g. 'group_size 48 does not divide head_dim 64', or
+        unless the format takes rows of head_dim elements (`QuantFormat.check_head_dim`)."""
         if not self.is_none:
             self.gran.check_head_dim(head_dim)
+            self.fmt.check_head_dim(self, head_dim)
 
     def describe(self) -> str:
         """Short human string, e.g. 'int4 asym g64 (fp16 scales)', 'q4_0 (ggml, g32, fp16 scales)'."""

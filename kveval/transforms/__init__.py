@@ -5,7 +5,10 @@ the query and the attention output (``base`` has the interface and the order rul
   sequence), ``check_sequence``;
 - one module per transform: ``pre_rope`` (KVQuant's pre-RoPE keys); llama.cpp's: ``gguf_order`` (Q/K channel
   order of a Llama GGUF), ``hadamard`` (blocked Hadamard rotation of Q with K, V with the output),
-  ``query_quant`` (the query rounded to the keys' vec_dot type);
+  ``query_quant`` (the query rounded to the keys' vec_dot type); ``random_rotation`` (TurboQuant's seeded random
+  rotation: Haar-orthogonal or random signs); vLLM's FP8 attention on FlashAttention 3: ``query_fp8`` (the query
+  cast to E4M3 with a static scale), ``fa3_fp8_attention`` (the attention hook: FA3's FP8 kernel, softmax
+  probabilities rounded to E4M3 before P·V);
 - ``registry``: the registry (name -> class) and the config form (``"name"`` or ``{name: ..., param: ...}``).
 
 Pure maths: nothing here imports transformers; the hooks into a model live in ``kveval.patch``.
@@ -15,11 +18,15 @@ an import of it below, which registers it (tests and plug-ins may also call ``re
 """
 
 from kveval.transforms.base import KVTransform, TransformChain, TransformContext, check_sequence
+from kveval.transforms.fa3_fp8_attention import Fa3Fp8Attention
 from kveval.transforms.gguf_order import GgufOrder
 from kveval.transforms.hadamard import Hadamard
 from kveval.transforms.pre_rope import PreRope
+from kveval.transforms.query_fp8 import QueryFp8
 from kveval.transforms.query_quant import QueryQuant
+from kveval.transforms.random_rotation import RandomRotation
 from kveval.transforms.registry import make_transform, parse_transforms, register, transform_names
 
-__all__ = ["GgufOrder", "Hadamard", "KVTransform", "PreRope", "QueryQuant", "TransformChain", "TransformContext",
-           "check_sequence", "make_transform", "parse_transforms", "register", "transform_names"]
+__all__ = ["Fa3Fp8Attention", "GgufOrder", "Hadamard", "KVTransform", "PreRope", "QueryFp8", "QueryQuant",
+           "RandomRotation", "TransformChain", "TransformContext", "check_sequence", "make_transform",
+           "parse_transforms", "register", "transform_names"]

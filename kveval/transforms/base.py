@@ -14,6 +14,13 @@ Per tensor kind, a transform ``t`` is six optional hooks (identity by default)::
     q'      = query(q)                     # q before the dot product
     v / o   : value_in, value_out, and output(o') after attention (o' [batch, heads, T, head_dim])
 
+and a seventh, ``attention(q', k, v, allowed, key_positions, scaling, ctx) -> o'``, for an engine whose attention
+arithmetic itself is low precision (FlashAttention 3 rounds the softmax probabilities to FP8 before P·V): it
+replaces ``softmax(q'kᵀ·scaling)·v`` between the query and output hooks, in emulation and in the real cache alike.
+It belongs to the V chain (it forms the product with the values); at most one transform of a sequence may have it.
+``key_positions`` gives each key's token position: emulation concatenates two versions of every token (``[k ; k̂]``,
+a mask selecting one per query), so a key's index is not its position.
+
 Two ways to rotate Q and K together by an orthogonal ``H`` (q·k unchanged: ``(qH)·(kH) = q·k``); a transform
 chooses with ``keeps_keys_transformed`` (and ``keeps_values_transformed`` for V with the output):
 
@@ -96,6 +103,22 @@ class KVTransform:
         """The attention output ``[batch, heads, T, head_dim]`` (attention domain of the values -> model domain)."""
         return o
 
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                  key_positions: torch.Tensor, scaling: float, ctx: TransformContext) -> torch.Tensor:
+        """The attention computation itself, replacing ``softmax(q kᵀ · scaling) v`` (only for transforms that
+        override it). q ``[batch, heads, Tq, head_dim]`` after the query hooks; k, v ``[batch, kv_heads, Tk,
+        head_dim]`` as attention reads them (heads a multiple of kv_heads: grouped-query attention); ``allowed``
+        bool, broadcastable to ``[batch, heads, Tq, Tk]`` (True = the query sees that key); ``key_positions`` int64
+        ``[Tk]``, the token position of each key. Returns o' ``[batch, heads, Tq, head_dim]`` in q's dtype, before
+        the output hooks."""
+        raise NotImplementedError(f"transform '{self.name}' has no attention hook")
+
+    def applies_to(self, model_type: str | None) -> bool:
+        """Whether this transform acts on a model of ``model_type`` (the config's ``model_type``; None: unknown).
+        Default: every model; a transform that describes one family's layout (``gguf_order``) says no to others,
+        and the plumbing then leaves it out of that model's chains."""
+        return True
+
     # --- what acts ------------------------------------------------------------------------------------------------
     def _overrides(self, hook: str) -> bool:
         return getattr(type(self), hook) is not getattr(KVTransform, hook)
@@ -117,6 +140,10 @@ class KVTransform:
         return self._overrides("output")
 
     @property
+    def has_attention_hook(self) -> bool:
+        return self._overrides("attention")
+
+    @property
     def keeps_keys_transformed(self) -> bool:
         """True when ``key_out`` leaves keys in this transform's domain (the query hook moves queries there)."""
         return False
@@ -127,10 +154,11 @@ class KVTransform:
         return False
 
     def acts_on(self, kind: Kind) -> bool:
-        """Whether the transform belongs to the K (query hook included) or V (output hook included) chain."""
+        """Whether the transform belongs to the K (query hook included) or V (output and attention hooks
+        included) chain."""
         if kind == "key":
             return self.acts_on_keys or self.has_query_hook
-        return self.acts_on_values or self.has_output_hook
+        return self.acts_on_values or self.has_output_hook or self.has_attention_hook
 
     def keeps_transformed(self, kind: Kind) -> bool:
         return self.keeps_keys_transformed if kind == "key" else self.keeps_values_transformed
@@ -157,12 +185,17 @@ class KVTransform:
 
 
 def check_sequence(transforms: tuple[KVTransform, ...], where: str) -> None:
-    """KvevalError (one line) for a sequence the plumbing cannot apply consistently: a repeated transform, or a
-    transform keeping K/V transformed after another transform acting on the same tensor."""
+    """KvevalError (one line) for a sequence the plumbing cannot apply consistently: a repeated transform, two
+    transforms that both replace the attention computation, or a transform keeping K/V transformed after another
+    transform acting on the same tensor."""
     for i, t in enumerate(transforms):
         if t in transforms[:i]:
             hint = " (pre_rope: true already puts it first)" if t.name == "pre_rope" else ""
             raise KvevalError(f"{where}: transform '{t.describe()}' appears twice{hint}")
+    replacing = [t.describe() for t in transforms if t.has_attention_hook]
+    if len(replacing) > 1:
+        raise KvevalError(f"{where}: transforms {' and '.join(repr(n) for n in replacing)} both replace the attention "
+                          "computation; keep one")
     for kind in ("key", "value"):
         seen: KVTransform | None = None
         for t in transforms:
@@ -225,6 +258,13 @@ class TransformChain:
     def has_output_hook(self) -> bool:
         return self.kind == "value" and any(t.has_output_hook for t in self.transforms)
 
+    @property
+    def attention_transform(self) -> KVTransform | None:
+        """The transform whose ``attention`` hook replaces the attention computation (V chain only), or None."""
+        if self.kind != "value":
+            return None
+        return next((t for t in self.transforms if t.has_attention_hook), None)
+
     def context(self, x: torch.Tensor, rope: Rope | None) -> TransformContext:
         return TransformContext(self.layer, x.shape[-1], rope)
 
@@ -280,6 +320,15 @@ class TransformChain:
             if t.has_query_hook:
                 q = t.query(q, ctx)
         return q
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                  key_positions: torch.Tensor, scaling: float, rope: Rope | None = None) -> torch.Tensor:
+        """o' ``[batch, heads, Tq, head_dim]`` from the ``attention_transform``'s hook (shapes in
+        ``KVTransform.attention``); a chain without one raises ValueError (the plumbing asks first)."""
+        t = self.attention_transform
+        if t is None:
+            raise ValueError(f"the {self.kind} chain has no transform replacing the attention computation")
+        return t.attention(q, k, v, allowed, key_positions, scaling, self.context(q, rope))
 
     def output(self, o: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         """The attention output ``[batch, heads, T, head_dim]``: every output hook in reverse order."""

@@ -12,9 +12,12 @@ This transform moves Q and K into that order together (``key_in(k) = k[..., perm
 q·k unchanged) and keeps the cache in it (``key_out`` is the identity): put it first in a llama.cpp policy, before
 ``hadamard`` and ``query_quant``. Shapes: ``[batch, heads, T, head_dim]``, head_dim even.
 
-Only for models whose GGUF conversion permutes (Llama, Mistral, SmolLM2, Granite and the other ``LlamaModel``
-subclasses of convert_hf_to_gguf.py). Qwen2/3, Gemma, Phi-3 and others are converted without the permutation and
-use NEOX RoPE in llama.cpp: their GGUF order equals HF's, so a llama.cpp policy for them leaves this transform out.
+Only for models whose GGUF conversion permutes: the HF model types that llama.cpp converts to its ``llama``
+architecture (``PERMUTED_MODEL_TYPES``: Llama, Mistral, Mixtral, SmolLM2; the architecture whose Q/K rows
+transformers' own GGUF loader un-permutes, ``TENSOR_PROCESSORS["llama"]`` in transformers 5.24
+``modeling_gguf_pytorch_utils.py``). Qwen2/3, Gemma, Phi-3 and others are converted without the permutation and
+use NEOX RoPE in llama.cpp: their GGUF order equals HF's, so ``applies_to`` leaves this transform out of their
+chains (a llama.cpp preset then acts on them without it); an unknown model type (None) keeps it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import torch
 
 from kveval.transforms.base import KVTransform, TransformContext
 from kveval.transforms.registry import register
+
+#: HF ``model_type`` values whose GGUF files hold Q/K in the permuted order (see the module docstring)
+PERMUTED_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral"})
 
 
 @lru_cache(maxsize=16)
@@ -58,6 +64,9 @@ class GgufOrder(KVTransform):
     def keeps_keys_transformed(self) -> bool:
         return True
 
+    def applies_to(self, model_type: str | None) -> bool:
+        return model_type is None or model_type in PERMUTED_MODEL_TYPES
+
     def key_in(self, k: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
         return to_gguf_order(k)
 
@@ -65,4 +74,4 @@ class GgufOrder(KVTransform):
         return to_gguf_order(q)
 
 
-__all__ = ["GgufOrder", "gguf_permutation", "to_gguf_order"]
+__all__ = ["GgufOrder", "PERMUTED_MODEL_TYPES", "gguf_permutation", "to_gguf_order"]

@@ -61,7 +61,7 @@ def test_nbytes_prediction_equals_real_bytes(name, shape, cb):
     if spec.is_none:
         assert real["total"] == x.numel() * 2
         return
-    code_bytes = qt.codes.view(torch.uint8).numel() if spec.is_fp8 else pack(qt.codes, spec.bits).numel()
+    code_bytes = spec.fmt.pack(qt.codes, spec).numel()  # the format's own rows (FP8 bytes, NVFP4 codes + E4M3)
     scale_bytes = qt.scale.numel() * qt.scale.element_size()
     if qt.zero_point is not None:
         scale_bytes += qt.zero_point.numel() * qt.zero_point.element_size()

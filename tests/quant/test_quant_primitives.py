@@ -217,8 +217,10 @@ def test_float64_is_computed_in_float64():
     assert torch.equal(fake_quantize(x, spec), ref)
 
 
-# iq4_nl is symmetric but its non-linear codebook has no 0 (the entry nearest 0 is +1): zero becomes d
-@pytest.mark.parametrize("name", [n for n in QUANTIZED if preset(n).mapping == "symmetric" and n != "iq4_nl"])
+# iq4_nl is symmetric but its non-linear codebook has no 0 (the entry nearest 0 is +1): zero becomes d; the
+# TurboQuant key codebooks have no 0 either, and their rotation mixes the coordinates
+@pytest.mark.parametrize("name", [n for n in QUANTIZED if preset(n).mapping == "symmetric" and n != "iq4_nl"
+                                  and not preset(n).format.startswith("turboquant")])
 def test_symmetric_keeps_zero_exact(name):
     x = sample((1, 2, 32, 128))
     x[:, :, ::3, ::5] = 0.0
@@ -250,7 +252,9 @@ def test_all_zero_groups_reconstruct_to_zero(name):
     assert torch.equal(dequantize(qt), x)
 
 
-@pytest.mark.parametrize("name", [n for n in QUANTIZED if preset(n).mapping == "asymmetric"])
+# int4_per_token_head rotates each row (Hadamard) before quantizing: a constant row is no longer constant
+@pytest.mark.parametrize("name", [n for n in QUANTIZED if preset(n).mapping == "asymmetric"
+                                  and preset(n).format != "int4_per_token_head"])
 def test_constant_groups_asymmetric_reconstruct_exactly(name):
     x = torch.full((1, 2, 8, 128), 0.75)  # representable in fp16: the stored min is exact
     x[0, 1] = -3.5

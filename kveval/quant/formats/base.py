@@ -15,8 +15,8 @@ for group granularity; xv is in the compute dtype (`compute_dtype`: float32, flo
   stores these, and `packed_nbytes` (hence the memory bill) counts them.
 
 Methods a format must implement: `code_bits`, `code_dtype`, `range_qparams`, `encode`, `decode`; optional:
-`validate`, `fit` / `fake` (fused or faster paths, bit for bit with encode + decode), `pack` / `unpack` /
-`row_nbytes` (default: the `kveval.quant.packing` bitstream of `code_bits`-bit integers).
+`validate`, `check_head_dim`, `fit` / `fake` (fused or faster paths, bit for bit with encode + decode), `pack` /
+`unpack` / `row_nbytes` (default: the `kveval.quant.packing` bitstream of `code_bits`-bit integers).
 """
 
 from __future__ import annotations
@@ -117,6 +117,11 @@ class QuantFormat(ABC):
         if spec.mapping not in self.mappings:
             allowed = " or ".join(map(repr, self.mappings))
             raise ValueError(f"QuantSpec.mapping must be {allowed} for format {self.name!r}; got {spec.mapping!r}")
+
+    def check_head_dim(self, spec: QuantSpec, head_dim: int) -> None:
+        """Raise ValueError (one line) when this format cannot quantize rows of head_dim elements (default: any
+        head_dim; `QuantSpec.check_head_dim` asks, so a policy refuses such a model before its first forward pass)."""
+        return None
 
     @abstractmethod
     def code_bits(self, spec: QuantSpec) -> int:

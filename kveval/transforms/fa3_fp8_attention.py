@@ -1,0 +1,127 @@
+"""FlashAttention 3's FP8 forward pass: the softmax probabilities are rounded to E4M3, tile by tile, before P·V.
+
+What vLLM runs for ``--kv-cache-dtype fp8`` on the FLASH_ATTN backend with FlashAttention 3 (Hopper): Q, K and V
+are E4M3 (the query through ``query_fp8``, K and V from the cache: spec ``fp8_e4m3``) and FA3's FP8 kernel computes
+the whole attention. Sources, vllm-project/flash-attention at 617264c (2026-08-06; the fork vLLM builds as
+``vllm_flash_attn``; its FP8 softmax is unchanged since c92ca63, 2024-08, and is Dao-AILab/flash-attention's
+hopper/ code):
+
+- hopper/flash_fwd_kernel_sm90.h: for an FP8 element type the kernel multiplies ``softmax_scale_log2``
+  (softmax_scale · log2 e) by ``q_descale · k_descale`` and instantiates ``flash::Softmax`` with
+  ``Max_offset = 8``.
+- hopper/softmax.h: ``scale_apply_exp2`` computes ``P = exp2(S · scale_log2 - (m · scale_log2 - 8))``, m the
+  running row max (0 in place of a max of -inf), so P lies in [0, 256] "to use more of the FP8 range";
+  ``online_softmax`` adds these float32 P, before any rounding, to ``row_sum``; ``max_get_scale``: when a tile
+  raises the max, ``row_sum`` and the output accumulator are multiplied by ``exp2((m_old - m_new) · scale_log2)``;
+  ``finalize``: the output is multiplied by ``v_descale / row_sum`` (0 when the sum is 0 or NaN).
+- hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp (``CollectiveMainloopFwdSm90::mma``): tiles of ``kBlockN`` keys,
+  aligned at key 0, are processed from the last one (``n_block_max - 1``) down to the first; per tile S = Q·Kᵀ
+  (FP8 operands, float32 accumulators), masking, the online softmax, then ``convert_type_out`` converts P to the
+  element type (cutlass ``NumericArrayConverter<float_e4m3_t, float>``: round to nearest even, saturating) and
+  the tensor cores add P_fp8 · V_fp8 to the float32 output.
+- hopper/tile_size.h (``tile_size_fwd_sm90``, element size 1) with hopper/heuristics.h (``use_one_mma_wg``):
+  kBlockN = 128 for head_dim <= 96, decode and prefill; for head_dim 128, 96 in decode (query rows x GQA group
+  <= 64) and 192 in prefill (at 617264c; earlier commits used 160 for head_dim 64 prefill, 224 for 128).
+
+Hence, for one query row, with c = scaling · log2 e, s_j = q·k_j · c, tiles t(j) = position_j // block_n, the max
+M_t over the visible keys of tiles >= t (the running max while tile t is processed) and M = M_0::
+
+    P_j = e4m3(exp2(s_j - M_t(j) + 8))                    # rounded from float32, P_j in [0, 256]
+    o   = Σ_j 2^(M_t(j) - M) · P_j · v_j  /  Σ_j 2^(M_t(j) - M) · exp2(s_j - M_t(j) + 8)
+
+(the rescaling of earlier tiles, collapsed into 2^(M_t - M)). Worked, one tile, c = 1: scores [0, -1, -0.5] give
+P = [256, 128, 2^7.5 = 181.02 -> 176] (between 128 and 256 the E4M3 step is 16) and the denominator 565.02, not
+560. The q and k descales are folded into q and k (``query_fp8`` returns e4m3(q/q_scale)·q_scale and the cache
+reads e4m3(k/k_scale)·k_scale), v_descale into v: the same products in another order.
+
+Not reproduced: the split-KV path (``num_splits`` > 1, chosen by FA3's heuristic for small batches, each split
+then has its own running max and the splits are merged in float32), the float32 accumulation order and precision
+of the tensor cores (scores and P·V are computed in q's dtype here), exp2 as ``ex2.approx``, FA3's BF16 output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kveval.quant.formats.fp8 import _fp8_to_float
+from kveval.transforms.base import KVTransform, TransformContext
+from kveval.transforms.registry import register
+
+#: log2(P) offset of FA3's FP8 softmax (``Max_offset`` in hopper/flash_fwd_kernel_sm90.h): P in [0, 2^8]
+MAX_OFFSET = 8
+LOG2_E = math.log2(math.e)
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to float32, then to the nearest E4M3 value (ties to even, saturating at ±448), in x's dtype."""
+    codes = x.to(torch.float32).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return _fp8_to_float(codes, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
+
+
+def tile_running_max(scores: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For scores ``[..., Tk]`` (-inf where masked) and each key's tile index ``tiles`` int64 ``[Tk]``: (the running
+    max when the key's tile is processed, ``[..., Tk]``: the max over the scores of tiles >= its tile; the row
+    max ``[..., 1]``). Tiles are processed from the highest index down, as FlashAttention 3 does."""
+    n_tiles = int(tiles.max()) + 1
+    index = tiles.expand(scores.shape)
+    per_tile = scores.new_full((*scores.shape[:-1], n_tiles), -math.inf)
+    per_tile = per_tile.scatter_reduce(-1, index, scores, "amax", include_self=True)
+    running = per_tile.flip(-1).cummax(-1).values.flip(-1)  # running[..., t] = max of tiles t, t+1, ...
+    return running.gather(-1, index), running[..., :1]
+
+
+def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                      key_positions: torch.Tensor, scaling: float, block_n: int) -> torch.Tensor:
+    """FlashAttention 3's FP8 attention (module docstring) on dequantized tensors.
+
+    q ``[batch, heads, Tq, head_dim]``; k, v ``[batch, kv_heads, Tk, head_dim]`` (heads a multiple of kv_heads:
+    query head h reads kv head h // (heads / kv_heads)); ``allowed`` bool broadcastable to ``[batch, heads, Tq,
+    Tk]``; ``key_positions`` int64 ``[Tk]`` (>= 0; keys of one position are versions of one token, of which a query
+    sees at most one); ``scaling`` the softmax scale; ``block_n`` keys per tile. Returns ``[batch, heads, Tq,
+    head_dim]`` in q's dtype; a row that sees no key is 0 (as FA3)."""
+    heads, kv_heads, n_keys = q.shape[1], k.shape[1], k.shape[-2]
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
+    if key_positions.shape != (n_keys,):
+        raise ValueError(f"key_positions must have shape [{n_keys}]; got {tuple(key_positions.shape)}")
+    if n_keys == 0:
+        return q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (scaling * LOG2_E)  # log2 units, [batch, heads, Tq, Tk]
+    scores = scores.masked_fill(~allowed, -math.inf)
+    tiles = torch.div(key_positions.to(device=q.device, dtype=torch.int64), block_n, rounding_mode="floor")
+    tile_max, row_max = tile_running_max(scores, tiles)
+    seen = tile_max > -math.inf  # False only where this key and every key after its tile are masked
+    p = torch.exp2(scores - (torch.where(seen, tile_max, 0.0) - MAX_OFFSET))  # float P in [0, 256], 0 if masked
+    rescale = torch.where(seen, torch.exp2(tile_max - row_max), 0.0)  # the later rescalings of the tile
+    row_sum = (p * rescale).sum(-1, keepdim=True)  # of the unrounded P, as FA3's row_sum
+    out = (round_to_e4m3(p) * rescale) @ v
+    return out * torch.where(row_sum > 0, 1.0 / row_sum, 0.0)
+
+
+@register
+@dataclass(frozen=True)
+class Fa3Fp8Attention(KVTransform):
+    """The attention computed as FlashAttention 3's FP8 kernel does it, with ``block_n`` keys per tile (module
+    docstring). Attention hook only; K/V precision comes from the spec (``fp8_e4m3`` for vLLM's cache), the query's
+    from ``query_fp8``."""
+
+    name: ClassVar[str] = "fa3_fp8_attention"
+    block_n: int = 128
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_n, int) or isinstance(self.block_n, bool) or self.block_n < 1:
+            raise ValueError(f"'block_n' must be a positive integer (keys per tile); got {self.block_n!r}")
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                  key_positions: torch.Tensor, scaling: float, ctx: TransformContext) -> torch.Tensor:
+        return fa3_fp8_attention(q, k, v, allowed, key_positions, scaling, self.block_n)
+
+
+__all__ = ["Fa3Fp8Attention", "MAX_OFFSET", "fa3_fp8_attention", "round_to_e4m3", "tile_running_max"]
