@@ -8,6 +8,8 @@ Accepted (a config's ``kv: {policies: {NAME: ...}}`` entry, or a preset's config
      scales: auto, pre_rope: true, layers: {"0-1": {spec: int8}, "last 2": {key: int8}}}
     {key: int2_channel, value: int2_g32, residual: 128, residual_mode: {key: block, value: sliding_lag}}
     {spec: int4_g64, transforms: [pre_rope, {name: NAME, PARAM: VALUE}]}   # K/V transforms, in order
+    {spec: int4_g64, rotate: hadamard}           # a rotation on any policy (kveval.transforms.rotate)
+    {spec: int4_g64, rotate: {kind: orthogonal, seed: 0, on: key}, pre_rope: true}   # pre-RoPE: undone on read
 
 A spec is a QuantSpec preset name or a mapping of QuantSpec fields (``{preset: int4_channel, outliers: 0.01}``).
 """
@@ -22,7 +24,8 @@ from kveval.quant import QuantSpec, preset
 from kveval.transforms import parse_transforms
 
 POLICY_KEYS = ("preset", "key", "value", "spec", "layers", "residual", "residual_mode", "sink_tokens", "prefill",
-               "scales", "pre_rope", "transforms")
+               "scales", "pre_rope", "transforms", "rotate")
+ROTATE_KEYS = ("kind", "block", "seed", "on", "keep")
 OVERRIDE_KEYS = ("key", "value", "spec")
 
 
@@ -85,9 +88,35 @@ def policy_fields(cfg: dict, where: str) -> dict[str, Any]:
         fields["pre_rope"] = cfg["pre_rope"]
     if "transforms" in cfg:
         fields["transforms"] = parse_transforms(cfg["transforms"] or [], f"{where}.transforms")
+    if "rotate" in cfg:
+        fields["rotate"] = parse_rotate(cfg["rotate"], f"{where}.rotate")
     if "layers" in cfg:
         fields["layers"] = parse_overrides(cfg["layers"], where)
     return fields
+
+
+def parse_rotate(value: Any, where: str) -> dict[str, Any] | None:
+    """``rotate: KIND`` or ``rotate: {kind, block, seed, on, keep}`` -> the ``rotate`` transform's parameters;
+    ``rotate: none`` / ``false`` -> None (no rotation). ``KVPolicy.from_config`` adds the transform: first in the
+    sequence when it keeps the cache rotated, last (after ``pre_rope``) when it is undone on read; ``keep``
+    defaults to ``not pre_rope``."""
+    from kveval.transforms.rotate import KINDS
+
+    if value is None or value is False or value == "none":
+        return None
+    if isinstance(value, str):
+        value = {"kind": value}
+    if not isinstance(value, dict):
+        raise KvevalError(f"{where}: expected a rotation kind ({', '.join(KINDS)}) or a mapping of "
+                          f"{', '.join(ROTATE_KEYS)}; got {value!r}")
+    for key in value:
+        if key not in ROTATE_KEYS:
+            raise KvevalError(f"{where}: unknown key '{key}'{did_you_mean(str(key), ROTATE_KEYS)}")
+    kind = value.get("kind", "hadamard")
+    if kind not in KINDS:
+        raise KvevalError(f"{where}: unknown rotation '{kind}'{did_you_mean(str(kind), KINDS)} "
+                          f"(known: {', '.join(KINDS)})")
+    return dict(value)
 
 
 def parse_overrides(layers: Any, where: str) -> list[tuple[str, QuantSpec | None, QuantSpec | None]]:

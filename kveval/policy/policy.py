@@ -67,6 +67,24 @@ class LayerOverride:
     value: QuantSpec | None = None
 
 
+def _with_rotation(params: dict[str, Any] | None, pre_rope: bool, transforms: Any, name: str) -> tuple:
+    """``transforms`` with the ``rotate`` transform of a policy's ``rotate:`` key added: first when it keeps the
+    cache rotated (the default without pre_rope), last when it is undone on read (the default with pre_rope)."""
+    from kveval.transforms.rotate import Rotate
+
+    given = parse_transforms(transforms, f"policy '{name}'.transforms") if not isinstance(transforms, tuple) \
+        else transforms
+    if params is None:
+        return tuple(t for t in given if not isinstance(t, Rotate))
+    params = {"keep": not pre_rope, **params}
+    try:
+        rotation = Rotate(**params)
+    except (TypeError, ValueError) as exc:
+        raise KvevalError(f"policy '{name}'.rotate: {exc}") from None
+    rest = tuple(t for t in given if not isinstance(t, Rotate))
+    return (rotation, *rest) if rotation.keep else (*rest, rotation)
+
+
 @dataclass(frozen=True)
 class KVPolicy:
     """A KV-cache quantization policy.
@@ -151,6 +169,9 @@ class KVPolicy:
         if "layers" in fields:
             fields["layers"] = tuple(LayerOverride(sel, k, v) for sel, k, v in fields["layers"])
         base = cls.preset(cfg["preset"]) if "preset" in cfg else cls()
+        if "rotate" in fields:
+            fields["transforms"] = _with_rotation(fields.pop("rotate"), fields.get("pre_rope", base.pre_rope),
+                                                  fields.get("transforms", base.transforms), name or "custom")
         return replace(base, name=name or (cfg.get("preset") or "custom"), **fields)
 
     def to_config(self) -> dict:
@@ -268,7 +289,8 @@ class KVPolicy:
         return any(self.uses_static(s) for s in self.all_specs())
 
     def check_model(self, num_layers: int, head_dim: int) -> None:
-        """Errors that need the model's shape: layer selectors in range, group sizes that divide head_dim."""
+        """Errors that need the model's shape: layer selectors in range, group sizes that divide head_dim, transforms
+        that cannot act on head_dim (``KVTransform.check_head_dim``)."""
         for o in self.layers:
             layers_of(o.selector, num_layers)
         for spec in self.all_specs():
@@ -276,6 +298,11 @@ class KVPolicy:
                 spec.check_head_dim(head_dim)
             except ValueError as exc:
                 raise KvevalError(f"policy '{self.name}': {exc}") from None
+        for t in self.transform_sequence():
+            try:
+                t.check_head_dim(head_dim)
+            except ValueError as exc:
+                raise KvevalError(f"policy '{self.name}': transform '{t.name}': {exc}") from None
 
     def describe(self) -> str:
         """A one-line human description, e.g. ``K int4 asym g64 (fp16 scales) / V int8 ..., residual 128 (block)``."""

@@ -8,7 +8,8 @@ the query and the attention output (``base`` has the interface and the order rul
   ``query_quant`` (the query rounded to the keys' vec_dot type); ``random_rotation`` (TurboQuant's seeded random
   rotation: Haar-orthogonal or random signs); vLLM's FP8 attention on FlashAttention 3: ``query_fp8`` (the query
   cast to E4M3 with a static scale), ``fa3_fp8_attention`` (the attention hook: FA3's FP8 kernel, softmax
-  probabilities rounded to E4M3 before P·V);
+  probabilities rounded to E4M3 before P·V); ``rotate`` (a Hadamard, random-sign Hadamard or random orthogonal
+  rotation on any policy, kept in the cache or undone on read: the ``rotate:`` key of a policy);
 - ``registry``: the registry (name -> class) and the config form (``"name"`` or ``{name: ..., param: ...}``).
 
 Pure maths: nothing here imports transformers; the hooks into a model live in ``kveval.patch``.
@@ -26,7 +27,8 @@ from kveval.transforms.query_fp8 import QueryFp8
 from kveval.transforms.query_quant import QueryQuant
 from kveval.transforms.random_rotation import RandomRotation
 from kveval.transforms.registry import make_transform, parse_transforms, register, transform_names
+from kveval.transforms.rotate import Rotate
 
 __all__ = ["Fa3Fp8Attention", "GgufOrder", "Hadamard", "KVTransform", "PreRope", "QueryFp8", "QueryQuant",
-           "RandomRotation", "TransformChain", "TransformContext", "check_sequence", "make_transform",
+           "RandomRotation", "Rotate", "TransformChain", "TransformContext", "check_sequence", "make_transform",
            "parse_transforms", "register", "transform_names"]

@@ -113,6 +113,10 @@ class KVTransform:
         the output hooks."""
         raise NotImplementedError(f"transform '{self.name}' has no attention hook")
 
+    def check_head_dim(self, head_dim: int) -> None:
+        """ValueError (one line) when the transform cannot act on vectors of ``head_dim`` (checked with the model's
+        shape, before any forward pass); default: any head_dim."""
+
     def applies_to(self, model_type: str | None) -> bool:
         """Whether this transform acts on a model of ``model_type`` (the config's ``model_type``; None: unknown).
         Default: every model; a transform that describes one family's layout (``gguf_order``) says no to others,
