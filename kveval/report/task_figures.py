@@ -33,7 +33,8 @@ TENSORS = ("key", "value")  # the scan's column order within a spec
 
 def write_task_figures(res: RunResults, out: str | Path) -> list[Path]:
     """The task figures of one run into ``out/plots/``: needle heatmaps when a needle task of the run's config
-    has ``plots`` true (the default), the scan's heatmap and ranking when a sensitivity task does. Returns the
+    has ``plots`` true (the default), the scan's heatmap and ranking when a sensitivity task does, RULER's family
+    x length heatmaps when a ruler task does. Returns the
     files written (none for a run without those tasks)."""
     plots_dir = Path(out) / PLOTS_DIR
     written: list[Path] = []
@@ -41,6 +42,8 @@ def write_task_figures(res: RunResults, out: str | Path) -> list[Path]:
         written += plot_needle(res.metrics, plots_dir)
     if any(p.get("plots", True) for p in res.task_params("sensitivity")):
         written += plot_sensitivity(res.metrics, plots_dir)
+    if any(p.get("plots", True) for p in res.task_params("ruler")):
+        written += plot_ruler(res.metrics, plots_dir)
     return written
 
 

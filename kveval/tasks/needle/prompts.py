@@ -30,16 +30,8 @@ import re
 from dataclasses import dataclass
 
 from kveval.errors import KvevalError
-
-MARKER = "<<<KVEVAL-HAYSTACK>>>"
-
-PASSKEY_FILLER = (
-    "The grass is green.",
-    "The sky is blue.",
-    "The sun is yellow.",
-    "Here we go.",
-    "There and back again.",
-)
+from kveval.tasks._prompts import MARKER, PASSKEY_FILLER, SentenceTokens, chat_parts, split_sentences
+from kveval.tasks._prompts import encode as _encode
 
 CITIES = (
     "Amsterdam", "Athens", "Bangkok", "Barcelona", "Berlin", "Bogota", "Boston", "Brussels", "Budapest", "Cairo",
@@ -128,62 +120,11 @@ def make_spec(variant: str, rng: random.Random) -> NeedleSpec:
     return VARIANTS[variant](rng)
 
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
-
-
-def split_sentences(text: str, *, min_chars: int = 20, max_chars: int = 300) -> list[str]:
-    """Prose sentences of ``text``: whitespace collapsed, split after . ! ? before a capital; fragments shorter
-    than ``min_chars`` or longer than ``max_chars`` (code, tables) are dropped."""
-    out = []
-    for paragraph in re.split(r"\n\s*\n", text):
-        flat = " ".join(paragraph.split())
-        for s in _SENTENCE_END.split(flat):
-            if min_chars <= len(s) <= max_chars and s[-1] in ".!?" and not s.startswith((">>>", "...")):
-                out.append(s)
-    return out
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    """Ids of ``text``; special tokens written in the text (chat markup) are recognised, none are added."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def template_parts(tokenizer, spec: NeedleSpec, *, chat_template: bool = True) -> tuple[list[int], list[int]]:
     """The ids before and after the haystack: ``(prefix_ids, suffix_ids)``; ``suffix_ids`` ends with the answer
-    prefix, so that the answer follows directly."""
+    prefix, so that the answer follows directly (:func:`kveval.tasks._prompts.chat_parts`)."""
     user = f"{spec.instruction}\n\n{MARKER}\n\n{spec.question}"
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
-        )
-        text = text + spec.answer_prefix
-        if text.count(MARKER) != 1:
-            raise KvevalError("the tokenizer's chat template altered the prompt; set chat_template: false")
-        before, after = text.split(MARKER)
-        return _encode(tokenizer, before), _encode(tokenizer, after)
-    before, after = f"{user}\n{spec.answer_prefix}".split(MARKER)
-    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token", None) else []
-    return bos + _encode(tokenizer, before), _encode(tokenizer, after)
-
-
-class SentenceTokens:
-    """Token ids of each sentence (with a leading space), computed on first use and kept."""
-
-    def __init__(self, tokenizer, sentences):
-        if not sentences:
-            raise KvevalError("the haystack corpus has no usable sentences")
-        self.tokenizer = tokenizer
-        self.sentences = list(sentences)
-        self._ids: dict[int, list[int]] = {}
-
-    def __len__(self) -> int:
-        return len(self.sentences)
-
-    def __getitem__(self, i: int) -> list[int]:
-        i %= len(self.sentences)
-        if i not in self._ids:
-            self._ids[i] = _encode(self.tokenizer, " " + self.sentences[i])
-        return self._ids[i]
+    return chat_parts(tokenizer, user, spec.answer_prefix, chat_template=chat_template)
 
 
 def build_prompt(
@@ -251,3 +192,8 @@ def exact_match(generated: str, answer: str) -> bool:
         return answer in re.findall(r"\d+", digits)
     norm = _normalise(answer)
     return bool(norm) and f" {norm} " in f" {_normalise(generated)} "
+
+
+# PASSKEY_FILLER, SentenceTokens, split_sentences: kveval.tasks._prompts (shared with the ruler task), named here too
+__all__ = ["CITIES", "MARKER", "PASSKEY_FILLER", "VARIANTS", "NeedlePrompt", "NeedleSpec", "SentenceTokens",
+           "build_prompt", "exact_match", "make_spec", "split_sentences", "template_parts", "trial_rng"]

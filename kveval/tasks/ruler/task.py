@@ -1,0 +1,294 @@
+"""RULER-style synthetic long-context suite: does a KV format hold up at 8k, 32k, 128k tokens?
+
+Families (:data:`kveval.tasks.ruler.prompts.FAMILIES`, RULER's synthetic tasks by RULER's names): single needles
+(``niah_single_1/2/3``), distractor needles (``niah_multikey_1/2/3``), several values (``niah_multivalue``),
+several keys asked (``niah_multiquery``), variable tracking (``vt``), common and frequent words extraction
+(``cwe``, ``fwe``). Grid: ``families`` × ``lengths``, ``samples`` per cell, each sample with fresh values drawn
+from ``seed`` (the config's seed by default); every policy (and the FP baseline) sees the same prompts. A length is
+the whole sequence the cache holds at the end, as in RULER: the prompt is exactly ``length - budget`` tokens, where
+the budget is ``max_new_tokens`` or, unset, RULER's per family (128 for needles, 30 ``vt``, 120 ``cwe``, 50
+``fwe``). ``depths`` places the answer's needles: sample ``s`` at ``depths[s % len(depths)]`` (unset: RULER's
+random depths).
+
+Per (family, length, sample, policy), one record (key ``ruler/<family>/L<length>/s<sample>/<policy>``):
+
+- ``score`` (0..1): greedy generation (the budget's tokens) through the real quantized cache
+  (``QuantizedKVCache``; plain ``generate`` for the baseline), scored by RULER's string match against the
+  references, with the metric RULER gives the family (``all``: the share of references found;
+  :mod:`kveval.tasks.ruler.scoring`).
+- ``answer_logprob`` (mean per answer token; ``answer_logprob_sum`` too) and ``answer_token_acc``: the prompt
+  plus one reference answer in one teacher-forced pass under ``emulate(prefill_len=prompt)``.
+
+metrics.json, per policy (and the baseline): ``ruler_score`` (0..100, the mean over every sample),
+``ruler_answer_logprob``, ``ruler_token_acc``, ``ruler_samples``, ``ruler_cells`` ([{family, length, samples,
+score, logprob, token_acc}]) and ``ruler_families`` ({family: {score, logprob}}). Policies add, in score points
+against the baseline: ``ruler_drop`` and ``ruler_logprob_delta``; per cell ``drop`` and ``logprob_delta``; per
+family ``drop``, ``worst_drop`` (the largest drop over the lengths), ``worst_length`` and ``verdict``: ``fail``
+when the family's score at some length is more than ``max_drop`` points below the baseline's, else ``pass``; and
+``ruler_verdict`` (``fail`` when a family fails) with ``ruler_max_drop`` (the threshold). The task draws nothing:
+:func:`kveval.report.task_figures.plot_ruler` draws ``plots/ruler_<policy>.png`` (family × length) from these
+metrics.
+
+NaN or infinity in a sample's logits (teacher-forced, or of a generated token) stops the run with one line that
+says whose fault it is before that sample's record is written (:mod:`kveval.tasks._finite`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from kveval.errors import KvevalError
+from kveval.results.layout import BASELINE
+from kveval.schema import Strict
+from kveval.tasks._generation import generate_answer, score_answer
+from kveval.tasks._prompts import SentenceTokens, split_sentences
+from kveval.tasks.ruler.prompts import FAMILIES, Pieces, Sample, build_sample, sample_rng
+from kveval.tasks.ruler.scoring import score
+
+NAME = "ruler"
+FAMILY_NAMES = tuple(FAMILIES)
+FamilyName = Literal[FAMILY_NAMES]  # type: ignore[valid-type]
+MAX_SEED = 2**32 - 1  # as the config's seed
+
+
+class Params(Strict):
+    """RULER-style synthetic long-context suite (needles, variable tracking, word extraction) over lengths."""
+
+    families: list[FamilyName] = Field(default_factory=lambda: list(FAMILY_NAMES), min_length=1)
+    lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [4096, 8192], min_length=1)
+    samples: int = Field(4, gt=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: the config's seed
+    depths: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(None, min_length=1)
+    max_new_tokens: int | None = Field(None, gt=0)  # None: RULER's budget per family
+    max_drop: float = Field(5.0, ge=0)  # score points below the baseline a family may lose at any length
+    chat_template: bool = True
+    plots: bool = True  # the report draws the heatmaps (kveval.report.task_figures), not the task
+
+    @model_validator(mode="after")
+    def _unique(self):
+        for name in ("families", "lengths", "depths"):
+            values = getattr(self, name) or []
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} has duplicates")
+        return self
+
+    @property
+    def seq_len(self) -> int:
+        """The longest context (the runner sizes the memory bill from it)."""
+        return max(self.lengths)
+
+    def budget(self, family: str) -> int:
+        """The tokens generated for ``family``: ``max_new_tokens``, else RULER's."""
+        return self.max_new_tokens or FAMILIES[family].tokens_to_generate
+
+    def depth(self, sample: int) -> float | None:
+        """Where sample ``sample`` puts the answer's needles (None: RULER's random depths)."""
+        return None if self.depths is None else self.depths[sample % len(self.depths)]
+
+
+def record_key(family: str, length: int, sample: int, policy: str) -> str:
+    return f"ruler/{family}/L{length}/s{sample}/{policy}"
+
+
+def sample_words(family: str, length: int, sample: int) -> str:
+    """A sample in words, for messages: ``ruler vt sample 0 (length 1024)``."""
+    return f"ruler {family} sample {sample} (length {length})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------------------------
+def _pieces(ctx) -> Pieces:
+    if "ruler/pieces" not in ctx.cache:
+        ctx.cache["ruler/pieces"] = Pieces(ctx.tokenizer)
+    return ctx.cache["ruler/pieces"]
+
+
+def _essay(ctx, params: Params) -> SentenceTokens | None:
+    """The config's corpus as sentences (tokenized on demand, kept in ``ctx.cache``), for the families whose
+    haystack is the essay; None when no family needs it."""
+    if not any(FAMILIES[f].haystack == "essay" for f in params.families):
+        return None
+    if "ruler/essay" not in ctx.cache:
+        from kveval.data import load_text
+
+        d = ctx.cfg.data
+        ctx.cache["ruler/essay"] = SentenceTokens(
+            ctx.tokenizer, split_sentences(load_text(d.source, split=d.split, text_field=d.text_field)))
+    return ctx.cache["ruler/essay"]
+
+
+def make_sample(pieces: Pieces, params: Params, essay: SentenceTokens | None, *, seed: int, family: str,
+                length: int, sample: int) -> Sample:
+    """The prompt of one sample; the same arguments always give the same prompt. Raises :class:`KvevalError`
+    when the prompt cannot hold the family's fixed parts or the reference answer does not fit the budget."""
+    budget = params.budget(family)
+    if length <= budget:
+        raise KvevalError(f"a length of {length} leaves no room for a prompt before the {budget} tokens {family} "
+                          "generates; use longer lengths")
+    rng = sample_rng(seed=seed, family=family, length=length, sample=sample)
+    s = build_sample(pieces, family, rng, prompt_tokens=length - budget, length=length, depth=params.depth(sample),
+                     essay=essay, chat_template=params.chat_template)
+    if len(s.answer_ids) > budget:
+        raise KvevalError(f"the {family} answer takes {len(s.answer_ids)} tokens, more than the {budget} generated; "
+                          "raise max_new_tokens")
+    return s
+
+
+def check(ctx, params: Params) -> None:
+    """Input errors before anything is written: a length beyond the model's context, a length too short for a
+    family's instruction, question and needles (or its answer beyond the generation budget), an unreadable
+    corpus."""
+    from kveval.models import model_context_limit
+
+    limit = model_context_limit(ctx.model)
+    too_long = [n for n in params.lengths if n > limit]
+    if too_long:
+        raise KvevalError(f"tasks: ruler.lengths {too_long} exceed the model's context ({limit} tokens); lower them")
+    pieces, essay = _pieces(ctx), _essay(ctx, params)
+    seed = ctx.cfg.seed if params.seed is None else params.seed
+    shortest = min(params.lengths)
+    for family in params.families:
+        for s in range(params.samples):
+            try:
+                make_sample(pieces, params, essay, seed=seed, family=family, length=shortest, sample=s)
+            except KvevalError as exc:
+                raise KvevalError(f"tasks: ruler: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The scores
+# ---------------------------------------------------------------------------------------------------------------
+def evaluate(model, tokenizer, sample: Sample, max_new_tokens: int, policy=None, *, where: str) -> dict:
+    """Both scores of one sample under one policy (None: the unpatched model), with their timings; ``where``: the
+    sample in words, for the one line that NaN or infinity in the logits stops the run with."""
+    t0 = time.perf_counter()
+    rec = score_answer(model, sample.input_ids, sample.answer_ids, policy, where=where)
+    rec["seconds_score"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    text = generate_answer(model, tokenizer, sample.input_ids, max_new_tokens, policy, where=where)
+    rec["seconds_generate"] = time.perf_counter() - t0
+    rec["generated"] = text
+    rec["score"] = score(text, sample.answers, FAMILIES[sample.family].metric)
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------------------
+def run(ctx, params: Params) -> dict:
+    """Evaluate every (family, length, sample, policy) not yet recorded and aggregate all ruler records."""
+    names = [BASELINE, *ctx.policies]
+    units = [(f, n, s) for f in params.families for n in params.lengths for s in range(params.samples)]
+    done = ctx.run.done_keys()
+    todo = [u for u in units if any(record_key(*u, name) not in done for name in names)]
+    if len(todo) < len(units):
+        ctx.progress.log(f"ruler: resuming, {len(units) - len(todo)} of {len(units)} samples already recorded")
+    pieces, essay = _pieces(ctx), _essay(ctx, params)
+    seed = ctx.cfg.seed if params.seed is None else params.seed
+    with ctx.progress.task("ruler", total=len(todo) * len(names), unit="tok") as advance:
+        for family, length, s in todo:
+            sample = make_sample(pieces, params, essay, seed=seed, family=family, length=length, sample=s)
+            for name in names:
+                key = record_key(family, length, s, name)
+                if key in done:
+                    advance(0)
+                    continue
+                policy = None if name == BASELINE else ctx.policies[name]
+                rec = {
+                    "key": key, "task": NAME, "family": family, "length": length, "sample": s, "policy": name,
+                    "metric": FAMILIES[family].metric, "depth": sample.depth,
+                    "answer_depths": list(sample.answer_depths), "prompt_tokens": len(sample.input_ids),
+                    "max_new_tokens": params.budget(family), "answers": list(sample.answers),
+                    "reference": sample.reference,
+                }
+                rec.update(evaluate(ctx.model, ctx.tokenizer, sample, params.budget(family), policy,
+                                    where=sample_words(family, length, s)))
+                ctx.run.append(rec)
+                advance(length)
+    return aggregate(ctx.run.records(), list(ctx.policies), params)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aggregation (pure)
+# ---------------------------------------------------------------------------------------------------------------
+def _mean(values: list) -> float | None:
+    """The mean of the values that are not None (``math.fsum``: the same whatever the records' order)."""
+    values = [v for v in values if v is not None]
+    return math.fsum(values) / len(values) if values else None
+
+
+def _points(records: list[dict]) -> float | None:
+    """RULER's score of some samples: the mean sample score in percent."""
+    m = _mean([r.get("score") for r in records])
+    return None if m is None else 100.0 * m
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    """``a - b``, None when either is missing."""
+    return None if a is None or b is None else a - b
+
+
+def _drop(base: float | None, score: float | None) -> float | None:
+    """Score points lost against the baseline (``base - score``), rounded to 1e-9 so that the threshold is not
+    crossed by float rounding (100 × 0.8 − 100 × 0.75 is 5.000000000000007)."""
+    d = _diff(base, score)
+    return None if d is None else round(d, 9)
+
+
+def _summarise(records: list[dict], families: list[str]) -> dict:
+    cells: dict[tuple, list[dict]] = {}
+    for r in records:
+        cells.setdefault((r["family"], r["length"]), []).append(r)
+    rank = {f: i for i, f in enumerate(families)}
+    rows = [{"family": f, "length": n, "samples": len(recs), "score": _points(recs),
+             "logprob": _mean([r["answer_logprob"] for r in recs]),
+             "token_acc": _mean([r["answer_token_acc"] for r in recs])}
+            for (f, n), recs in sorted(cells.items(), key=lambda kv: (rank.get(kv[0][0], len(rank)), kv[0]))]
+    fams = {}
+    for f in dict.fromkeys(row["family"] for row in rows):
+        recs = [r for r in records if r["family"] == f]
+        fams[f] = {"score": _points(recs), "logprob": _mean([r["answer_logprob"] for r in recs])}
+    return {
+        "ruler_score": _points(records),
+        "ruler_answer_logprob": _mean([r["answer_logprob"] for r in records]),
+        "ruler_token_acc": _mean([r["answer_token_acc"] for r in records]),
+        "ruler_samples": len(records),
+        "ruler_cells": rows,
+        "ruler_families": fams,
+    }
+
+
+def aggregate(records: list[dict], policies: list[str], params: Params) -> dict:
+    """metrics.json's ruler fields from the records (pure: the same records give the same metrics)."""
+    by_policy: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("task") == NAME:
+            by_policy.setdefault(r["policy"], []).append(r)
+    families = list(params.families)
+    base = _summarise(by_policy.get(BASELINE, []), families)
+    base_cells = {(c["family"], c["length"]): c for c in base["ruler_cells"]}
+    out: dict = {BASELINE: base, "policies": {}}
+    for name in policies:
+        s = _summarise(by_policy.get(name, []), families)
+        s["ruler_drop"] = _drop(base["ruler_score"], s["ruler_score"])
+        s["ruler_logprob_delta"] = _diff(s["ruler_answer_logprob"], base["ruler_answer_logprob"])
+        for cell in s["ruler_cells"]:
+            b = base_cells.get((cell["family"], cell["length"]), {})
+            cell["drop"] = _drop(b.get("score"), cell["score"])
+            cell["logprob_delta"] = _diff(cell["logprob"], b.get("logprob"))
+        for f, fam in s["ruler_families"].items():
+            fam["drop"] = _drop(base["ruler_families"].get(f, {}).get("score"), fam["score"])
+            drops = [(c["drop"], c["length"]) for c in s["ruler_cells"] if c["family"] == f and c["drop"] is not None]
+            worst = max(drops, default=(None, None), key=lambda d: (d[0], -d[1]))
+            fam["worst_drop"], fam["worst_length"] = worst
+            fam["verdict"] = None if worst[0] is None else ("fail" if worst[0] > params.max_drop else "pass")
+        verdicts = [fam["verdict"] for fam in s["ruler_families"].values() if fam["verdict"] is not None]
+        s["ruler_verdict"] = ("fail" if "fail" in verdicts else "pass") if verdicts else None
+        s["ruler_max_drop"] = params.max_drop
+        out["policies"][name] = s
+    return out
