@@ -84,6 +84,26 @@ def run(
 
 @app.command()
 @user_errors
+def sweep(
+    sweep_file: Annotated[Path, typer.Argument(help="Sweep file (YAML): a grid of models x policies x tasks, or a list of configs.")],
+    overrides: OverrideOpt = None,
+    address: Annotated[str | None, typer.Option(help="Join this Ray cluster (e.g. ray://head:10001, auto) instead of starting a local Ray.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Let each run replace a run folder that holds a different config.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check every run and list them; start nothing.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per finished run instead of a progress bar.")] = False,
+    allow_code: AllowCodeOpt = False,
+):
+    """Run every config of a sweep as a Ray task (kveval run in its own folder), then one report across runs."""
+    from kveval.commands.sweep import sweep_command
+
+    status = sweep_command(str(sweep_file), overrides, address=address, overwrite=overwrite, dry_run=dry_run,
+                           quiet=quiet, allow_code=allow_code)
+    if status:
+        raise typer.Exit(status)
+
+
+@app.command()
+@user_errors
 def calibrate(
     config: Annotated[Path, typer.Argument(help="Experiment config; its calibration: section says how.")],
     overrides: OverrideOpt = None,

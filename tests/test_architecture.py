@@ -21,11 +21,14 @@ PACKAGE = ROOT / "kveval"
 # prefix decides a module's layer (kveval.calibration.ranges is pure maths, kveval.calibration.calibrate a run).
 LAYERS: list[tuple[str, ...]] = [
     ("kveval", "kveval.errors", "kveval.paths", "kveval.schema", "kveval.progress", "kveval.stats", "kveval.rope"),
-    ("kveval.quant", "kveval.transforms", "kveval.calibration.ranges"),
-    ("kveval.policy", "kveval.memory.bill", "kveval.memory", "kveval.calibration.scales_file", "kveval.calibration"),
-    ("kveval.models", "kveval.data", "kveval.patch", "kveval.calibration.collect", "kveval.memory.table"),
+    ("kveval.quant", "kveval.transforms", "kveval.calibration.ranges", "kveval.weights.quantize",
+     "kveval.weights.interaction"),
+    ("kveval.policy", "kveval.memory.bill", "kveval.memory", "kveval.calibration.scales_file", "kveval.calibration",
+     "kveval.weights", "kveval.weights.spec"),
+    ("kveval.models", "kveval.data", "kveval.patch", "kveval.calibration.collect", "kveval.memory.table",
+     "kveval.weights.apply"),
     ("kveval.tasks", "kveval.results", "kveval.calibration.calibrate", "kveval.parity"),
-    ("kveval.report", "kveval.config"),
+    ("kveval.report", "kveval.config", "kveval.sweep"),
     ("kveval.commands",),
     ("kveval.cli", "kveval.__main__"),
 ]

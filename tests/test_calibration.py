@@ -189,10 +189,12 @@ def test_run_with_auto_scales_calibrates_once_and_compares(tmp_path):
     pol = metrics["policies"]
     for name in ("dynamic", "trtllm_int8", "kvquant"):
         assert pol[name]["kld_mean"] > 0
-    # by hand, head_dim 32, 64-token context, fp16 full precision: keys 4 bits + 1 outlier per row (2 B value +
-    # 1 B index = 0.75 bit/element) + one fp16 scale and min per channel and head for the whole context
-    # (2 heads * 32 * 4 B over 64 * 2 * 32 elements = 0.5 bit); values 4 + 0.75 + per-token scale and min (1 bit)
-    keys, values = 4 + 0.75 + 0.5, 4 + 0.75 + 1
+    # by hand (KVQuant nuq4-1%), 2 kv heads x head_dim 32 (n = 64 per token: one outlier slot per side), 64-token
+    # context (4096 elements per layer and tensor), fp16 full precision: the first token in fp16 (64 * 16 bits);
+    # 63 tokens of 4-bit codes + 2 slots (2 B value + 1 B index: 6 B per token); keys: fp16 hi and lo per channel
+    # and head (2 * 32 * 4 B) + a float32 16-entry codebook (64 B); values: fp32 hi and lo per token (8 B) + 64 B
+    keys = (63 * (64 * 4 + 6 * 8) + 64 * 16 + (256 + 64) * 8) / 4096
+    values = (63 * (64 * 4 + 6 * 8 + 8 * 8) + 64 * 16 + 64 * 8) / 4096
     assert pol["kvquant"]["bits_per_element"] == pytest.approx((keys + values) / 2)
     mtime = (out / "scales.safetensors").stat().st_mtime_ns
     again = run_experiment(validate(cfg), quiet=True)  # resume: nothing recomputed, same scales
@@ -288,3 +290,22 @@ def test_a_scales_file_changed_under_a_resumed_run_is_refused(tmp_path):
     result = CliRunner().invoke(app, ["run", str(path), "-q", "--overwrite"])
     assert result.exit_code == 0, result.output
     assert (out / "records.jsonl").read_text() != before  # recomputed with the new scales
+
+
+def test_calibrate_fits_kvquant_codebooks_only_for_nuq_policies(tiny_llama, tmp_path):
+    """``kveval calibrate``: a config with a kvquant policy gets its per-channel bounds and Fisher-weighted codebooks
+    (tests/test_kvquant.py checks their numbers); a config without 'nuq' specs gets none."""
+    cfg = cfg_for("builtin:tiny-llama", tmp_path / "run")
+    cfg["kv"] = ["int8", "kvquant3_1pct"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(app, ["calibrate", str(path), "--out", str(tmp_path / "s.safetensors")])
+    assert result.exit_code == 0, result.output
+    sf = load_scales(tmp_path / "s.safetensors")
+    assert sf.header["nuq"]["fisher"] is True
+    assert {n for n in sf.tensors if n.startswith("kvquant.")} == {
+        "kvquant.key_pre_rope@0.01.channel.hi", "kvquant.key_pre_rope@0.01.channel.lo",
+        "kvquant.key_pre_rope@0.01.channel.nuq3", "kvquant.value@0.01.token.nuq3"}
+    model, tok = tiny_llama
+    plain = load_scales(scales_for(model, tok, "builtin:tiny-llama", tmp_path / "plain.safetensors"))
+    assert plain.header["nuq"] is None and not any(n.startswith("kvquant.") for n in plain.tensors)

@@ -193,3 +193,36 @@ def test_mistral_style_window_on_every_layer():
     assert [_held_tokens(la) for la in cache.layers] == [6, 6]
     assert cache.nbytes()["total"] == kv_bytes(arch, policy, 20, fp_bytes=8, prompt=1).total
     torch.testing.assert_close(decoded, emulated_logits(model, ids, policy), rtol=0, atol=1e-12)
+
+
+def test_skip_sliding_keeps_sliding_layers_in_full_precision(gemma64):
+    """``skip_sliding: true`` (vLLM ``--kv-cache-dtype-skip-layers sliding_window``): the sliding-window layers hold
+    full-precision K/V in the bill and in the real cache, the others are quantized; emulation == decoding."""
+    policy = KVPolicy.from_config({"spec": "int4_g32", "skip_sliding": True})
+    assert KVPolicy.from_config(policy.to_config()) == policy
+    arch = Arch.from_model(gemma64)
+    bill = kv_bytes(arch, policy, 30, fp_bytes=8)
+    plain = kv_bytes(arch, KVPolicy.from_config({"spec": "int4_g32"}), 30, fp_bytes=8)
+    for i, (k, v) in enumerate(bill.per_layer):
+        if i in (0, 2):  # 8 held tokens x 2 heads x 32 dims x 8 bytes (float64), K and V
+            assert (k.codes, k.residual, v.residual) == (0, 8 * 2 * 32 * 8, 8 * 2 * 32 * 8)
+        else:
+            assert (k, v) == plain.per_layer[i]
+    ids = ids_for(gemma64, 30)
+    cache = QuantizedKVCache(gemma64, policy)
+    kw = cache_kwargs(gemma64, cache)
+    with torch.no_grad():
+        decoded = torch.cat([gemma64(ids[:, t : t + 1], use_cache=True, **kw).logits for t in range(30)], dim=1)
+    assert cache.nbytes()["total"] == bill.total
+    torch.testing.assert_close(decoded, emulated_logits(gemma64, ids, policy), rtol=0, atol=1e-12)
+    assert not torch.allclose(decoded, emulated_logits(gemma64, ids, KVPolicy.from_config({"spec": "int4_g32"})))
+
+
+def test_skip_sliding_needs_the_model_and_a_boolean():
+    policy = KVPolicy.from_config({"spec": "int8", "skip_sliding": True})
+    with pytest.raises(KvevalError, match="skip_sliding needs the model's sliding-window layers"):
+        policy.specs_for_layer(0, 4)
+    assert policy.specs_for_layer(1, 4, sliding_layers=(0, 2))[0].format != "none"
+    assert policy.specs_for_layer(2, 4, sliding_layers=(0, 2))[0].is_none
+    with pytest.raises(KvevalError, match=r"skip_sliding: expected true or false, got 'yes'"):
+        KVPolicy.from_config({"spec": "int8", "skip_sliding": "yes"})

@@ -185,6 +185,8 @@ def test_hooks_wrap_the_model_only_while_the_cache_is_passed(tiny_llama64):
     hooks = len(model._forward_pre_hooks), len(model._forward_hooks)
     plain = QuantizedKVCache(model, rotated(POLICIES["token_int4"], keep=False))
     assert all(layer.implementation is None for layer in plain.layers), "no query/output hooks: nothing wrapped"
+    del plain  # (a cache watches the first call's attention mask for left padding until it is collected)
+    gc.collect()
     assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks
     cache = QuantizedKVCache(model, rotated(POLICIES["token_int4"], keep=True))
     ids = ids_for(model, 12)

@@ -58,16 +58,35 @@ def check_overlap(header: dict, cfg, n_tokens: int, tokenizer_fp: str, what: str
         )
 
 
+def nuq_requests(cfg) -> dict[tuple[str, str, float], list[int]]:
+    """``{(kind, style, p): [bits]}`` of the 'nuq' specs of the config's policies (kind ``key``, ``key_pre_rope``
+    (a ``pre_rope`` policy's keys) or ``value``; style ``channel`` or ``token``; p the outlier fraction): the
+    codebooks (and per-channel bounds) a calibration for this config fits."""
+    out: dict[tuple[str, str, float], set[int]] = {}
+    for policy in cfg.policies().values():
+        for role, spec in policy.kind_specs():
+            if not spec.is_none and spec.fmt.name == "nuq":
+                kind = "key_pre_rope" if role == "key" and policy.pre_rope else role
+                style = "channel" if spec.granularity == "channel" else "token"
+                out.setdefault((kind, style, float(spec.outliers)), set()).add(spec.bits)
+    return {key: sorted(bits) for key, bits in sorted(out.items())}
+
+
 def dense_kind(kind: str, outliers: float) -> str:
     """The name of the ranges of ``kind`` taken without the outliers a spec with ``outliers`` removes."""
     return f"{kind}@{outliers:g}" if outliers else kind
 
 
 @torch.no_grad()
-def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=()) -> dict:
+def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=(), nuq=None, nuq_out=None,
+                   fisher: bool = True) -> dict:
     """``{(kind, granularity): [Ranges per layer]}`` from running ``model`` over ``tokens`` (the slice); for each
     fraction in ``outliers`` also the ranges of the dense part (kind ``key@0.01`` etc.). A kind missing in some
-    layers (pre-RoPE keys of a layer without RoPE) is left out."""
+    layers (pre-RoPE keys of a layer without RoPE) is left out. ``nuq`` (`nuq_requests`): KVQuant's bounds and
+    codebooks to fit for every kind, put into ``nuq_out`` as ``{tensor name: [per-layer tensor]}``
+    (``kveval.calibration.codebooks``), their k-means weighted by the Fisher information when ``fisher`` (each window
+    then also runs backward from its mean next-token cross-entropy, as KVQuant's ``run-fisher.py``)."""
+    from kveval.calibration.codebooks import bounds_names, codebook_name, fit_layer
     from kveval.calibration.collect import collect_kv
     from kveval.quant import split_outliers
 
@@ -75,14 +94,24 @@ def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=())
     windows = [w for w in windows if len(w) >= 2]
     target = preset(cal.target) if cal.target else None
     task = progress.task("calibrate: forward", total=len(windows), unit="tok") if progress else nullcontext(None)
-    with collect_kv(model) as collected, task as advance:
+    grads = bool(nuq) and fisher
+    with collect_kv(model, fisher=grads) as collected, task as advance:
         for w in windows:
-            model(w[None].to(model.device))
+            ids = w[None].to(model.device)
+            if grads:
+                with torch.enable_grad():
+                    logits = model(ids, use_cache=False).logits[0, :-1].float()
+                    torch.nn.functional.cross_entropy(logits, ids[0, 1:]).backward()
+                collected.harvest()
+            else:
+                model(ids)
             if advance is not None:
                 advance(len(w))
         n_layers = len(collected.layers)
         out: dict = {}
+        fitted_nuq: dict[str, list[torch.Tensor]] = {}
         for layer in range(n_layers):
+            weights = collected.fisher(layer) if grads else {}
             for kind, x in collected.samples(layer).items():
                 variants = [(kind, x)]
                 for p in outliers:
@@ -92,14 +121,27 @@ def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=())
                     for gran in STATIC_GRANULARITIES:
                         r = calibrate_ranges(samples, gran, cal.method, percentile=cal.percentile, target=target)
                         out.setdefault((name, gran), []).append(r)
+                for (nuq_kind, style, p), bits in (nuq or {}).items():
+                    if kind != nuq_kind:
+                        continue
+                    fitted = fit_layer(x, p, style, bits, weights.get(kind))
+                    if style == "channel":
+                        for stat, tname in zip(("hi", "lo"), bounds_names(kind, p)):
+                            fitted_nuq.setdefault(tname, []).append(fitted[stat])
+                    for b in bits:
+                        fitted_nuq.setdefault(codebook_name(kind, p, style, b), []).append(fitted[f"nuq{b}"])
+    if nuq_out is not None:
+        nuq_out.update({name: per for name, per in fitted_nuq.items() if len(per) == n_layers})
     return {key: ranges for key, ranges in out.items() if len(ranges) == n_layers}
 
 
 def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Path, progress=None,
-              outliers=()) -> Path:
+              outliers=(), fisher: bool = True) -> Path:
     """Calibrate on the slice ``cfg.calibration`` names and write the scales file at ``path`` (dense-part ranges
-    for the fractions in ``calibration.outliers`` and ``outliers``)."""
+    for the fractions in ``calibration.outliers`` and ``outliers``; KVQuant's bounds and codebooks for the 'nuq'
+    specs of the config's policies, Fisher-weighted unless ``fisher`` is False)."""
     from kveval import __version__
+    from kveval.calibration.codebooks import MAX_ITER, STARTS, TOL
     from kveval.calibration.scales_file import save_scales
     from kveval.data import tokenizer_fingerprint
     from kveval.models import model_info
@@ -107,7 +149,9 @@ def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Pa
     cal = cfg.calibration
     start, end = calibration_slice(len(corpus_tokens), cal.tokens)
     fractions = sorted(set(cal.outliers) | {float(p) for p in outliers if p})
-    ranges = collect_ranges(model, corpus_tokens[start:end], cal, progress, fractions)
+    nuq = nuq_requests(cfg)
+    nuq_tensors: dict[str, list[torch.Tensor]] = {}
+    ranges = collect_ranges(model, corpus_tokens[start:end], cal, progress, fractions, nuq, nuq_tensors, fisher)
     info = model_info(model)
     header = {
         "model": info["name"], "layers": info["num_layers"], "kv_heads": info["num_kv_heads"],
@@ -115,10 +159,15 @@ def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Pa
         "token_start": start, "token_end": end, "tokens": end - start, "seq_len": cal.seq_len,
         "method": cal.method, "percentile": cal.percentile if cal.method == "percentile" else None,
         "target": preset(cal.target).to_dict() if cal.method == "mse" else None, "outliers": fractions,
+        "nuq": {"fits": [{"kind": kind, "style": style, "outliers": p, "bits": bits}
+                         for (kind, style, p), bits in nuq.items()],
+                "kmeans": {"max_iter": MAX_ITER, "tol": TOL, "starts": STARTS}, "fisher": fisher}
+        if nuq else None,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "kveval": __version__,
     }
-    return save_scales(path, ranges, header)
+    extra = {name: torch.stack(per).float().contiguous() for name, per in nuq_tensors.items()}
+    return save_scales(path, ranges, header, extra)
 
 
 def default_output(cfg) -> Path:

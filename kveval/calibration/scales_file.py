@@ -7,6 +7,11 @@ A scales file is a safetensors file with float32 tensors named ``{kind}.{granula
 * granularity: ``tensor`` ``[layers]``, ``head`` ``[layers, kv_heads]``, ``channel`` ``[layers, kv_heads, head_dim]``;
 * stat: ``absmax`` (symmetric specs), ``lo`` and ``hi`` (asymmetric specs); see ``kveval.calibration.ranges``.
 
+and, for the 'nuq' specs of the config's policies (KVQuant, ``kveval.calibration.codebooks``), float32
+``kvquant.{kind}[@p].channel.hi`` / ``.lo`` ``[layers, kv_heads, head_dim]`` (per-channel bounds) and
+``kvquant.{kind}[@p].{channel|token}.nuq{b}`` ``[layers, 2^b]`` (ascending k-means codebooks); the header's ``nuq``
+says what was fitted.
+
 and a JSON header (safetensors metadata key ``kveval_scales``): ``format`` (1), ``model``, ``layers``,
 ``kv_heads``, ``head_dim``, ``corpus``, ``tokenizer`` (fingerprint), ``token_start``/``token_end`` (the corpus
 token range used), ``tokens``, ``seq_len``, ``method``, ``percentile``, ``target`` (the spec an ``mse`` file was
@@ -15,7 +20,7 @@ searched for, else null), ``dtype``, ``created``, ``kveval``.
 Reading checks the file before any run uses it (one :class:`KvevalError` line each): a safetensors file with the
 header, the format, positive integer ``layers``/``kv_heads``/``head_dim``, the key and value ranges, every tensor
 of the shape that the header's sizes give (a file whose tensors disagree with its header fails here, not
-mid-run), finite, ``absmax >= 0`` and ``lo <= hi``. A file that cannot be read says how to get a new one: delete
+mid-run; a codebook ``[layers, 2^b]``, ascending), finite, ``absmax >= 0`` and ``lo <= hi``. A file that cannot be read says how to get a new one: delete
 it and recalibrate (``kveval calibrate``, or rerun a ``scales: auto`` run, which calibrates again).
 """
 
@@ -32,6 +37,7 @@ from kveval.calibration.ranges import STATIC_GRANULARITIES, Ranges
 from kveval.errors import KvevalError
 from kveval.fileio import atomic_path
 from kveval.quant import QParams, QuantSpec, qparams_from_range
+from kveval.quant.formats.base import SCALE_TORCH_DTYPES, store
 
 FORMAT_VERSION = 1
 KINDS = ("key", "key_pre_rope", "value")
@@ -60,6 +66,8 @@ class ScalesFile:
 
     def qparams(self, layer: int, kind: str, spec: QuantSpec) -> QParams:
         """Static parameters for ``spec`` (granularity tensor, head or channel) of one layer's keys or values."""
+        if spec.fmt.name == "nuq":
+            return self.nuq_qparams(layer, kind, spec)
         target = self.header.get("target")
         if self.header.get("method") == "mse" and target:
             t = QuantSpec.from_dict(target)
@@ -78,6 +86,29 @@ class ScalesFile:
         lo, hi = (-r.absmax, r.absmax) if spec.mapping == "symmetric" else (r.lo, r.hi)
         return qparams_from_range(lo, hi, spec)
 
+    def nuq_qparams(self, layer: int, kind: str, spec: QuantSpec) -> QParams:
+        """A 'nuq' spec's calibrated parameters for one layer: the codebook (float32 [2^b]), and per channel the
+        bounds hi / lo as scale / zero point ``[1, H, 1, D]`` rounded to the spec's scale dtype (KVQuant: fp16)."""
+        from kveval.calibration.codebooks import bounds_names, codebook_name
+
+        style = "channel" if spec.granularity == "channel" else "token"
+        p = spec.outliers
+        name = codebook_name(kind, p, style, spec.bits)
+        if name not in self.tensors:
+            have = sorted(n.removeprefix("kvquant.") for n in self.tensors if n.startswith("kvquant.") and ".nuq" in n)
+            held = f"it holds {', '.join(have[:6])}{' ...' if len(have) > 6 else ''}" if have else "it holds none"
+            raise KvevalError(
+                f"scales file {self.path} has no nuq{spec.bits} codebook for {kind}s per {style} with {p:g} outliers "
+                f"({held}); calibrate with a config whose policies use this spec (scales: auto does this by itself)"
+            )
+        book = self.tensors[name][layer]
+        if style == "token":
+            return QParams(torch.empty(0), None, book)
+        H, D = self.header["kv_heads"], self.header["head_dim"]
+        sdt = SCALE_TORCH_DTYPES[spec.resolved(torch.float32).scale_dtype]
+        hi, lo = (store(self.tensors[n][layer], sdt).reshape(1, H, 1, D) for n in bounds_names(kind, p))
+        return QParams(hi, lo, book)
+
     def check_model(self, model_name: str, layers: int, kv_heads: int, head_dim: int) -> None:
         """One clear error when the file was calibrated for another model or shape."""
         h = self.header
@@ -95,11 +126,13 @@ class ScalesFile:
             )
 
 
-def save_scales(path: str | Path, ranges: dict[tuple[str, str], list[Ranges]], header: dict) -> Path:
-    """Write ``ranges[(kind, granularity)]`` (one Ranges per layer) and the header, atomically."""
+def save_scales(path: str | Path, ranges: dict[tuple[str, str], list[Ranges]], header: dict,
+                extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``ranges[(kind, granularity)]`` (one Ranges per layer), the ``extra`` tensors (the nuq bounds and
+    codebooks, by name) and the header, atomically."""
     from safetensors.torch import save_file
 
-    tensors = {}
+    tensors = {name: t.contiguous() for name, t in (extra or {}).items()}
     for (kind, gran), per_layer in ranges.items():
         for stat in ("absmax", "lo", "hi"):
             tensors[f"{kind}.{gran}.{stat}"] = torch.stack([getattr(r, stat).float() for r in per_layer]).contiguous()
@@ -148,6 +181,17 @@ def _load(path: str, _mtime: int, _size: int) -> ScalesFile:
     return ScalesFile(header=header, tensors=tensors, path=path)
 
 
+def _check_codebook(path: str, name: str, stat: str, t: torch.Tensor, layers: int) -> None:
+    """A nuq codebook: ``[layers, 2^b]`` (b from its name), finite, ascending in every layer."""
+    bits = stat.removeprefix("nuq")
+    want = (layers, 2 ** int(bits)) if bits.isdigit() and 1 <= int(bits) <= 8 else None
+    if want is None or tuple(t.shape) != want:
+        raise KvevalError(f"scales file '{path}': {name} has shape {list(t.shape)}, a {stat} codebook is "
+                          f"{list(want) if want else '[layers, 2^bits]'} for {layers} layers; {RECALIBRATE}")
+    if not bool(torch.isfinite(t).all()) or bool((t[:, 1:] < t[:, :-1]).any()):
+        raise KvevalError(f"scales file '{path}': {name} is not a finite ascending codebook; {RECALIBRATE}")
+
+
 RECALIBRATE = "delete it and recalibrate (kveval calibrate CONFIG; a scales: auto run calibrates again by itself)"
 
 
@@ -162,6 +206,9 @@ def _check_tensors(path: str, header: dict, tensors: dict[str, torch.Tensor]) ->
     for name, t in tensors.items():
         parts = name.split(".")
         gran = parts[-2] if len(parts) >= 3 else None
+        if name.startswith("kvquant.") and parts[-1].startswith("nuq"):
+            _check_codebook(path, name, parts[-1], t, layers)
+            continue
         if gran not in shapes:
             continue
         if tuple(t.shape) != shapes[gran]:

@@ -57,7 +57,8 @@ def _calibrate(cfg, path: Path, *, quiet: bool) -> Path:
     console.print(f"[bold]kveval calibrate[/] {cfg.name}: {cfg.model.name} on {cfg.data.source}, "
                   f"{cfg.calibration.tokens} tokens, method {cfg.calibration.method}")
     model, tokenizer = load_model(cfg.model.name, device=cfg.model.device, dtype=cfg.model.dtype,
-                                  trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed)
+                                  trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed,
+                                  device_map=cfg.model.device_map, max_memory=cfg.model.max_memory)
     d = cfg.data
     tokens = load_tokens(d.source, tokenizer, split=d.split, text_field=d.text_field)
     calibration_slice(len(tokens), cfg.calibration.tokens)  # errors before any slow work

@@ -51,6 +51,9 @@ class RunContext:
     progress: Progress
     cache: dict = field(default_factory=dict)
     folder: RunDir | None = None
+    #: ``model.weights``: ``{VARIANT: kveval.weights.apply.PreparedVariant}`` checked against the model (empty: the
+    #: checkpoint alone); the perplexity task scores every window under each of them too
+    weights: dict = field(default_factory=dict)
 
     def tokens(self) -> torch.Tensor:
         """The corpus as token ids ``[n_tokens]`` (loaded once, cached on disk per tokenizer and corpus). Loaded
@@ -144,14 +147,16 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     model, tokenizer = load_model(
         cfg.model.name, device=cfg.model.device, dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed,
+        device_map=cfg.model.device_map, max_memory=cfg.model.max_memory,
     )
     info = model_info(model)
     for policy in policies.values():
         policy.check_model(info["num_layers"], info["head_dim"])
+    weights = prepare_weights(cfg, model)  # shapes, group sizes, module kinds: before anything is written
 
     ctx = RunContext(
         cfg=cfg, run=None, model=model, tokenizer=tokenizer, policies=policies, info=info,
-        console=console, progress=Progress(console, quiet=quiet),
+        console=console, progress=Progress(console, quiet=quiet), weights=weights,
     )
     for entry in cfg.tasks:  # every input error surfaces before the results folder is touched
         check = getattr(runners[entry.kind], "check", None)
@@ -181,6 +186,8 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     env = environment(cfg.model.device)
     env["config_path"] = config_path
     env["command"] = f"kveval run {config_path}" if config_path else None
+    if weights:
+        env["weights"] = weights_info(ctx)
     run.write_env(env, started=started)
     metrics: dict = {"run": cfg.name, "model": cfg.model.name, BASELINE: {}, "policies": {n: {} for n in policies}}
     kinds = [entry.kind for entry in cfg.tasks]
@@ -201,6 +208,12 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
         finally:
             ctx.run = run
     merge(metrics, memory_fields(ctx))
+    if weights and isinstance(metrics.get("weights"), dict):  # which weights: first in each variant's entry
+        winfo = weights_info(ctx)
+        measured = metrics["weights"].get("variants") or {}
+        metrics["weights"] = {"reference": winfo["reference"],
+                              "variants": {n: {"info": i, **(measured.get(n) or {})}
+                                           for n, i in winfo["variants"].items()}}
     if plan is not None:
         metrics["plan"] = plan
     run.write_metrics(metrics)
@@ -209,11 +222,33 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
 
     write_run_report(run.path)
     console.print(summary_table(metrics, cfg))
+    if (metrics.get("weights") or {}).get("variants"):
+        console.print(weights_table(metrics, cfg))
     for label, part in (metrics.get(TASK_ENTRIES) or {}).items():
         if part.get("policies"):
             console.print(summary_table(part_for_summary(metrics, part), cfg, label=f"{label} ({part['kind']})"))
     console.print(f"results: {run.path}/")
     return metrics
+
+
+def prepare_weights(cfg: ExperimentConfig, model) -> dict:
+    """The config's weight variants checked against the loaded model (:func:`kveval.weights.apply.prepare`):
+    ``{VARIANT: PreparedVariant}``, empty without ``model.weights``; KvevalError (one line) for a model without
+    ``nn.Linear`` projections, a group size that does not divide a matrix's in_features, and the like."""
+    variants = cfg.model.weight_variants()
+    if not variants:
+        return {}
+    from kveval.weights.apply import prepare_all
+
+    return prepare_all(model, variants)
+
+
+def weights_info(ctx: RunContext) -> dict:
+    """Which weights the run used (env.json's and metrics.json's ``weights``): the reference (the checkpoint as
+    loaded) and per variant its spec, module groups, matrices, parameters quantized and stored bytes."""
+    return {"reference": {"name": "fp", "weights": f"{ctx.cfg.model.name} as loaded ({ctx.info.get('dtype')})",
+                          "params_total": ctx.info.get("num_parameters")},
+            "variants": {n: p.info() for n, p in ctx.weights.items()}}
 
 
 def check_scales_unchanged(out_dir, scales_used: dict, *, overwrite: bool) -> bool:
@@ -345,6 +380,17 @@ def memory_fields(ctx: RunContext) -> dict:
     out[BASELINE] = policy_memory_fields(arch, "fp16", context, gpu)
     for name, policy in ctx.policies.items():
         out["policies"][name] = policy_memory_fields(arch, policy, context, gpu)
+    if ctx.weights:  # the same bills beside each variant's quantized weights (codes + scales, the rest in FP16)
+        variants = {}
+        for vname, prepared in ctx.weights.items():
+            nb = prepared.quantized_bytes()
+            varch = arch.with_quantized_weights(prepared.params_quantized, nb["total"])
+            variants[vname] = {
+                "weight_bytes": varch.model_bytes, "weight_bytes_fp16": arch.model_bytes,
+                "alone": policy_memory_fields(varch, "fp16", context, gpu),
+                "policies": {n: policy_memory_fields(varch, p, context, gpu) for n, p in ctx.policies.items()},
+            }
+        out["weights"] = {"variants": variants}
     return out
 
 
@@ -401,4 +447,43 @@ def summary_table(metrics: dict, cfg: ExperimentConfig, label: str | None = None
         if name == BASELINE and has["ppl"]:
             cells[1:6] = [cells[1], "", "", "", ""]
         table.add_row(name, *cells, f"[{style}]{verdict}[/]" if verdict else "")
+    return table
+
+
+def _yes_no(flag, interaction: str | None) -> str:
+    """``yes`` / ``no`` for "worse than the sum", with ``*`` when the bootstrap interval of the excess excludes 0."""
+    if flag is None:
+        return "-"
+    sure = interaction in ("superadditive", "subadditive")
+    return ("yes" if flag else "no") + ("*" if sure else "")
+
+
+def weights_table(metrics: dict, cfg: ExperimentConfig) -> Table:
+    """The weights x KV interaction table: per weight variant, its effect alone (KV ``fp16``) and, per policy, the
+    weight effect alone (W), the KV effect on the checkpoint's weights (KV), the combined effect (both), their
+    sum and whether the combination is worse than the sum (``*``: the 95% interval of the excess excludes 0);
+    every effect against the FP model (checkpoint weights, full-precision cache)."""
+    from rich import box
+
+    table = Table(title=f"{cfg.name}: weights x KV cache against the FP model; worse: both > W + KV (*: the 95% "
+                        "interval of the excess excludes 0)", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    cols = ["weights", "KV", "ΔPPL% W", "ΔPPL% KV", "ΔPPL% both", "W + KV", "worse",
+            "KLD W", "KLD KV", "KLD both", "W + KV", "worse"]
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("weights", "KV") else "right", no_wrap=True)
+    for vname, v in metrics["weights"]["variants"].items():
+        alone = v.get("alone") or {}
+        table.add_row(vname, "fp16", _fmt(alone.get("delta_ppl_pct"), "+.3f"), "", "", "", "",
+                      _fmt(alone.get("kld_mean"), ".3g"), "", "", "", "")
+        for pname, m in (v.get("policies") or {}).items():
+            table.add_row(
+                vname, pname,
+                _fmt(m.get("weights_delta_ppl_pct"), "+.3f"), _fmt(m.get("kv_delta_ppl_pct"), "+.3f"),
+                _fmt(m.get("delta_ppl_pct"), "+.3f"), _fmt(m.get("delta_ppl_pct_sum"), "+.3f"),
+                _yes_no(m.get("delta_ppl_worse_than_sum"), m.get("delta_ppl_interaction")),
+                _fmt(m.get("weights_kld_mean"), ".3g"), _fmt(m.get("kv_kld_mean"), ".3g"),
+                _fmt(m.get("kld_mean"), ".3g"), _fmt(m.get("kld_sum"), ".3g"),
+                _yes_no(m.get("kld_worse_than_sum"), m.get("kld_interaction")),
+            )
     return table

@@ -38,7 +38,10 @@ Worked (the published figures, binary units, symmetric, float32 scales, no zero 
 INT8 per-tensor = 512 MiB of codes + 32 layers * 2 tensors * 4 B = 512 MiB + 256 B; INT4 g64 = 256 MiB of codes
 + 2 groups * 4 B per token row (32 MiB) = 288 MiB.
 
-Capacity: ``max_batch = floor((gpu_memory - model_bytes - activation_bytes) / kv_bytes_per_sequence)``.
+Capacity: ``max_batch = floor((gpu_memory - model_bytes - activation_bytes) / kv_bytes_per_sequence)``, with
+``model_bytes = Arch.model_bytes``: ``params * weight_bytes_per_param`` (FP16 weights: 2), or, for quantized
+weights, the exact ``Arch.weight_bytes`` (codes + scales of the quantized matrices, the rest in FP16:
+``Arch.with_quantized_weights``).
 Paging (vLLM PagedAttention): ``ceil(L / block_size)`` blocks per sequence; the paged bill is the bill at
 ``blocks * block_size`` tokens (the last block's waste included).
 """
@@ -82,7 +85,10 @@ class Arch:
     """The shape of a model's KV cache: ``layers`` x K/V ``[batch, kv_heads, seq, head_dim]``.
 
     ``params`` (parameter count) and ``weight_bytes_per_param`` (2 = FP16/BF16 weights) size the model for the
-    capacity figures; ``params=None`` means unknown (capacity then needs ``model_bytes``).
+    capacity figures; ``params=None`` means unknown (capacity then needs ``model_bytes``). ``weight_bytes``: the
+    exact bytes of the weights when they are not all stored at ``weight_bytes_per_param`` (quantized weights:
+    :meth:`with_quantized_weights`); it then replaces ``params * weight_bytes_per_param`` in ``model_bytes``, so
+    that ``kv_budget``, ``max_batch`` and ``max_context`` count the quantized weights' codes and scales.
     """
 
     layers: int
@@ -93,6 +99,7 @@ class Arch:
     weight_bytes_per_param: float = 2
     sliding_window: int | None = None  # tokens a sliding-window layer keeps (None: no such layers)
     sliding_layers: tuple[int, ...] = ()  # indices of the sliding-window layers
+    weight_bytes: int | None = None  # exact weight bytes (quantized weights); None: params * weight_bytes_per_param
 
     def __post_init__(self) -> None:
         _positive_int(self.layers, "layers")
@@ -110,6 +117,8 @@ class Arch:
             _positive_int(self.params, "params")
         if not isinstance(self.weight_bytes_per_param, (int, float)) or self.weight_bytes_per_param <= 0:
             raise KvevalError(f"weight_bytes_per_param must be positive; got {self.weight_bytes_per_param!r}")
+        if self.weight_bytes is not None:
+            _positive_int(self.weight_bytes, "weight_bytes")
 
     @classmethod
     def named(cls, name: str) -> Arch:
@@ -174,13 +183,36 @@ class Arch:
 
     @property
     def model_bytes(self) -> int | None:
-        """Weight bytes: ``params * weight_bytes_per_param`` (None when the parameter count is unknown)."""
+        """Weight bytes: ``weight_bytes`` when set (quantized weights), else ``params * weight_bytes_per_param``
+        (None when the parameter count is unknown)."""
+        if self.weight_bytes is not None:
+            return self.weight_bytes
         return None if self.params is None else int(self.params * self.weight_bytes_per_param)
 
+    def with_quantized_weights(self, quantized_params: int, quantized_bytes: int) -> Arch:
+        """This shape with ``quantized_params`` of its parameters stored in ``quantized_bytes`` (codes + scales +
+        zero points, e.g. :func:`kveval.weights.matrix_nbytes` summed) and the others at
+        ``weight_bytes_per_param``: ``weight_bytes = (params - quantized_params) * weight_bytes_per_param +
+        quantized_bytes``. Worked: 134,515,008 parameters, 106,168,320 of them in INT8 per output channel (1 B
+        each + a 2 B scale per output row: 106,168,320 + 2 * 155,520 B): 2 * 28,346,688 + 106,479,360 = 163,172,736 B
+        instead of 269,030,016 B in FP16."""
+        if self.params is None:
+            raise KvevalError("quantized weights need the model's parameter count (params)")
+        if isinstance(quantized_params, bool) or not isinstance(quantized_params, int) or \
+                not 0 <= quantized_params <= self.params:
+            raise KvevalError(f"quantized_params must be an integer in 0..{self.params}; got {quantized_params!r}")
+        if isinstance(quantized_bytes, bool) or not isinstance(quantized_bytes, int) or quantized_bytes < 0:
+            raise KvevalError(f"quantized_bytes must be a non-negative integer; got {quantized_bytes!r}")
+        rest = int((self.params - quantized_params) * self.weight_bytes_per_param)
+        return replace(self, weight_bytes=rest + quantized_bytes)
+
     def to_dict(self) -> dict:
-        return {"name": self.name, "layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "params": self.params, "weight_bytes_per_param": self.weight_bytes_per_param,
-                "sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
+        out = {"name": self.name, "layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+               "params": self.params, "weight_bytes_per_param": self.weight_bytes_per_param,
+               "sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
+        if self.weight_bytes is not None:  # only when set: the JSON of FP16 weights stays as it was
+            out["weight_bytes"] = self.weight_bytes
+        return out
 
 
 def sliding_window_layers(cfg: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -336,7 +368,7 @@ def check_sliding_window(policy: KVPolicy, window: int | None, sliding_layers: t
     if window is None:
         return
     for i in sliding_layers:
-        for kind, spec in zip(("key", "value"), policy.specs_for_layer(i, n_layers)):
+        for kind, spec in zip(("key", "value"), policy.specs_for_layer(i, n_layers, sliding_layers)):
             if spec.is_none or not spec.gran.token_blocks or policy.uses_static(spec):
                 continue
             if policy.residual > window:
@@ -388,7 +420,7 @@ def kv_bytes(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1, f
     per_layer = []
     key = value = Part()
     for i in range(arch.layers):
-        ks, vs = pol.specs_for_layer(i, arch.layers)
+        ks, vs = pol.specs_for_layer(i, arch.layers, arch.sliding_layers)
         k = _tensor_part(ks, pol, arch, i, batch, context, fp_bytes, "key", prompt)
         v = _tensor_part(vs, pol, arch, i, batch, context, fp_bytes, "value", prompt)
         per_layer.append((k, v))
@@ -418,8 +450,9 @@ def fp16_bytes(arch: Arch, context: int, batch: int = 1) -> int:
 
 
 def kv_budget(arch: Arch, gpu_memory: int, model_bytes: int | None = None, activation_bytes: int = 0) -> int:
-    """Bytes left for the KV cache: ``gpu_memory - model_bytes - activation_bytes`` (model bytes from the arch's
-    parameter count and weight dtype unless given). A GPU too small to hold the model raises KvevalError."""
+    """Bytes left for the KV cache: ``gpu_memory - model_bytes - activation_bytes`` (model bytes unless given:
+    ``arch.model_bytes``, the quantized weights' ``weight_bytes`` when set, else the parameter count times the
+    weight dtype's size). A GPU too small to hold the model raises KvevalError."""
     if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float)) or gpu_memory <= 0:
         raise KvevalError(f"gpu_memory must be a positive number of bytes; got {gpu_memory!r}")
     if activation_bytes < 0:
@@ -519,12 +552,12 @@ def block_bytes(arch: Arch, policy: KVPolicy | str, block_size: int = DEFAULT_BL
     for i in range(arch.layers):
         if arch.window(i) is not None:
             continue
-        for spec in pol.specs_for_layer(i, arch.layers):
+        for spec in pol.specs_for_layer(i, arch.layers, arch.sliding_layers):
             nb = packed_nbytes(spec, (1, H, block_size, D), dtype=_FP_DTYPES[fp_bytes])
             if spec.is_none:
                 total += H * block_size * D * fp_bytes
-            elif spec.gran.static_only or pol.uses_static(spec):
-                total += nb["codes"] + nb["outliers"]
+            elif spec.gran.static_only or (pol.uses_static(spec) and spec.gran.calibratable):
+                total += nb["codes"] + nb["outliers"]  # (a calibrated per-token spec, nuq values: the else branch)
             elif spec.gran.token_blocks:
                 r = pol.residual
                 per_r = packed_nbytes(spec, (1, H, r, D), channel_block=r, dtype=_FP_DTYPES[fp_bytes])

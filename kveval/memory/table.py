@@ -4,7 +4,8 @@
 
 JSON schema (``memory_json``; field names are a contract, bytes are integers, binary units)::
 
-    {"arch": {"name", "layers", "kv_heads", "head_dim", "params", "weight_bytes_per_param"},
+    {"arch": {"name", "layers", "kv_heads", "head_dim", "params", "weight_bytes_per_param",
+              "weight_bytes" (only for quantized weights: their exact bytes, see ``Arch.with_quantized_weights``)},
      "context": L, "batch": B,
      "rows": [{"policy": NAME,
                "total": bytes, "codes": bytes, "scales": bytes (zero points included), "residual": bytes
@@ -201,7 +202,11 @@ def policy_memory_fields(arch: Arch, policy: KVPolicy | str, context: int, gpu_m
                          activation_bytes: int = 0) -> dict:
     """The memory columns of one policy in ``metrics.json``: ``bytes_per_token`` (amortised over ``context``),
     ``compression_vs_fp16`` (FP16 bytes / policy bytes, 3.56 for INT4 g64 with fp16 scale + min),
-    ``max_batch`` (None without ``gpu_memory``) and ``bits_per_element`` (scales and windows included)."""
+    ``max_batch`` (None without ``gpu_memory``) and ``bits_per_element`` (scales and windows included).
+
+    ``max_batch`` leaves room for the weights: ``model_bytes`` when given, else ``arch.model_bytes``, which is the
+    exact size of quantized weights (codes + scales) for an arch made by ``Arch.with_quantized_weights``, so the
+    same KV policy fits a larger batch beside INT4 weights than beside FP16 ones."""
     bill = kv_bytes(arch, policy, context, 1, fp_bytes)
     mb = None
     if gpu_memory is not None:

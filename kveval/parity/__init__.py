@@ -6,7 +6,7 @@ same cache) and ``kv_fp`` (kveval's baseline), all ``[T, vocab]`` for the same i
 into a ``ParityRow``: each side's ΔPPL % / KLD / top-1 against its own baseline, and ``kld_between`` =
 KL(P_ref ‖ P_kveval), the figure a parity test bounds (at most a fraction of KL(P_ref_fp ‖ P_ref)).
 
-One module per system (``llamacpp``, ``hf_quanto``, ``kivi``, ...) with ``run(...) -> list[ParityRow]``;
+One module per system (``llamacpp``, ``hf_quanto``, ``hf_hqq``, ``kivi``, ...) with ``run(...) -> list[ParityRow]``;
 ``SYSTEMS`` maps the names ``kveval parity`` accepts to those modules (imported on use).
 """
 
@@ -24,6 +24,7 @@ SYSTEMS: dict[str, str] = {}
 SYSTEMS["llamacpp"] = "kveval.parity.llamacpp"
 SYSTEMS["hf_quanto"] = "kveval.parity.hf_quanto"
 SYSTEMS["kivi"] = "kveval.parity.kivi"
+SYSTEMS["hf_hqq"] = "kveval.parity.hf_hqq"
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """A real quantized KV cache for ``model.generate()`` and step-by-step decoding.
 
-Each layer holds, in position order: the sink tokens in full precision, the quantized middle as packed integer
-codes (or FP8 bytes) with scales/zero points in their storage dtype, and the full-precision residual window.
-Reads dequantize everything that is stored. ``nbytes()`` reports the bytes actually held.
+Each layer holds, per row and in position order: the sink tokens in full precision, the quantized middle as packed
+integer codes (or FP8 bytes) with scales/zero points in their storage dtype, and the full-precision residual
+window. ``nbytes()`` reports the bytes held.
 
 Usage::
 
     cache = QuantizedKVCache(model, KVPolicy.preset("int4_g64"))
     out = model.generate(ids, past_key_values=cache, max_new_tokens=20)
+    # a left-padded batch: each row is quantized exactly as if it were decoded alone
+    out = model.generate(ids, attention_mask=mask, past_key_values=QuantizedKVCache(model, policy), ...)
 
 Semantics (the same as ``emulate``; ``kveval.policy.masks``, per tensor: keys and values may follow different
 schedules): a token is quantized when it leaves the residual window (``sliding``: stored, then read;
@@ -17,23 +19,42 @@ prompt and then in blocks counted from the prompt end; sinks never are. A call t
 with ``prefill: fp``, the new tokens in full precision (what serving engines do); with ``prefill: quantized`` and
 for single-token decode steps it answers what it holds under that schedule.
 
-Limitation: with batch > 1 and left padding, sink tokens count from the first stored position of the row
-(padding included), and per-channel blocks take statistics over the padded positions too.
+Batches and left padding. Row ``b`` of a batch may start with ``p_b`` padding positions (``left_padding``, read
+from the ``attention_mask`` of the first forward call that receives the cache, or given to the constructor). Every
+row follows the schedule of its own tokens, exactly as if it were decoded alone: its sinks are its first
+``sink_tokens`` real tokens, its residual window and blocks count its real tokens (``prompt_block`` counts from its
+own prompt end), per-channel statistics never see a padding position, and sliding-window eviction drops the same
+real tokens. Padding positions are never quantized and never billed: ``nbytes()`` is the sum of the rows' bills
+(static scales, one per layer and tensor, counted once). Without an attention mask and without ``left_padding``,
+every row starts at position 0. Exactness per row needs what the model itself guarantees: the same logits for a
+row alone and in a padded batch (float rounding aside).
+
+How a step stays cheap (``QuantizedKVLayer``): what attention reads lives in one preallocated buffer per tensor
+(``[batch, kv_heads, capacity, head_dim]`` with a fill pointer): a stored token is written once, a quantized token
+is overwritten once by its read-back value, and a call returns a view of the buffer, never a concatenation of
+the history. The packed codes and scales of the tokens quantized in one call (by all rows that quantize the same
+positions, in one quantize call) form a ``StoredChunk``; consecutive chunks are merged in a binary-counter
+pattern, so each token's codes are copied O(log n) times in all. Which rows quantize which positions at a call is
+computed once per call and shared by all layers.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kveval.errors import KvevalError
 from kveval.memory.bill import check_sliding_window, sliding_window_layers
 from kveval.patch import attention as attn
 from kveval.patch.attention import attention_modules
 from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, model_type_of, policy_scales
 from kveval.patch.rope_capture import rope_for, track_rope
 from kveval.policy import KVPolicy
+from kveval.policy.masks import Schedule
 from kveval.quant import QuantizedTensor, dequantize
 
 
@@ -43,9 +64,10 @@ class StoredChunk:
     head_dim, e.g. two INT4 codes per byte, one FP8 byte per element) plus the QuantizedTensor's scales and zero
     points.
 
-    ``decoded`` holds the values read back from that storage (unpacked and dequantized once, when the tokens are
-    stored: a decode step then costs O(new tokens), not O(context)); a kernel would dequantize on every read and
-    get the same numbers. It is a compute cache, not counted in ``nbytes``.
+    ``decoded`` holds the values read back from that storage (dequantized once, when the tokens are stored: a decode
+    step then costs O(new tokens), not O(context)); a kernel would dequantize on every read and get the same
+    numbers. It is a compute cache, not counted in ``nbytes``; ``QuantizedKVLayer`` moves it into its read buffer
+    and drops it from the chunk (None).
     """
 
     qt: QuantizedTensor  # scales, zero points, outliers and shape; its codes are empty (``packed`` holds them)
@@ -56,22 +78,28 @@ class StoredChunk:
     @classmethod
     def store(cls, x: torch.Tensor, quantizer: TensorQuantizer, channel_block: int | None, rope=None) -> StoredChunk:
         """Quantize x ``[batch, kv_heads, n, head_dim]`` (``rope``: its ``(cos, sin)`` for pre-RoPE keys) and pack
-        the codes through the spec's format, whatever the format."""
+        the codes through the spec's format, whatever the format. ``decoded`` is read back from the codes before
+        packing (packing is lossless: ``read_storage`` gives the same numbers, which the tests check)."""
         qt = quantizer.quantize(x, channel_block, rope)
         spec = qt.spec
         packed = spec.fmt.pack(qt.codes, spec)
         chunk = cls(qt=replace(qt, codes=torch.empty(0, dtype=qt.codes.dtype)), packed=packed,
                     n_codes=qt.codes.shape[-1])
-        chunk.decoded = quantizer.read_back(chunk.read_storage(), rope)
+        chunk.decoded = quantizer.read_back(dequantize(qt), rope)
         return chunk
 
+    @property
+    def static(self) -> bool:
+        """Whether the scales are static (per-tensor, per-head or calibrated): the same in every chunk, kept once."""
+        return self.qt.static or self.qt.spec.gran.static_only
+
     def extend(self, other: StoredChunk) -> StoredChunk:
-        """One chunk holding this chunk's tokens followed by ``other``'s (so that a read is one dequantize call).
+        """One chunk holding this chunk's tokens followed by ``other``'s (same rows).
 
         Codes, packed rows, scales, zero points and outliers all carry tokens (or token blocks) on dim 2;
         per-tensor, per-head and calibrated scales are static, the same in both chunks, and kept once."""
         a, b = self.qt, other.qt
-        static = a.static or a.spec.gran.static_only
+        static = self.static
 
         def cat(x, y, keep_once=static):
             if x is None or keep_once:
@@ -82,8 +110,11 @@ class StoredChunk:
         qt = replace(a, scale=cat(a.scale, b.scale), zero_point=cat(a.zero_point, b.zero_point), shape=shape,
                      outlier_values=cat(a.outlier_values, b.outlier_values, False),
                      outlier_index=cat(a.outlier_index, b.outlier_index, False))
+        decoded = None
+        if self.decoded is not None and other.decoded is not None:
+            decoded = torch.cat([self.decoded, other.decoded], dim=2)
         return StoredChunk(qt=qt, packed=torch.cat([self.packed, other.packed], dim=2), n_codes=self.n_codes,
-                           decoded=torch.cat([self.decoded, other.decoded], dim=2))
+                           decoded=decoded)
 
     def read_storage(self) -> torch.Tensor:
         """Unpack (``spec.fmt.unpack``) and dequantize everything stored: ``[batch, kv_heads, tokens,
@@ -91,18 +122,19 @@ class StoredChunk:
         spec = self.qt.spec
         return dequantize(replace(self.qt, codes=spec.fmt.unpack(self.packed, spec, self.n_codes)))
 
-    def read(self) -> torch.Tensor:
+    def read(self) -> torch.Tensor | None:
         return self.decoded
 
     def drop_front(self, read_tokens: int, stored_tokens: int, blocks: int = 0) -> None:
         """Forget the oldest tokens (a sliding-window layer): ``read_tokens`` of what is read, ``stored_tokens`` of
         the packed rows and per-token side data, and ``blocks`` token blocks of per-channel scales (a block's
         scale and codes are kept while any of its tokens is in the window; static scales are kept)."""
-        self.decoded = self.decoded[:, :, read_tokens:]
+        if self.decoded is not None:
+            self.decoded = self.decoded[:, :, read_tokens:]
         if stored_tokens == 0 and blocks == 0:
             return
         a = self.qt
-        static = a.static or a.spec.gran.static_only
+        static = self.static
 
         def cut(x, n):
             return x if x is None or static else x[:, :, n:]
@@ -116,85 +148,282 @@ class StoredChunk:
                           outlier_index=None if a.outlier_index is None else a.outlier_index[:, :, stored_tokens:])
         self.packed = self.packed[:, :, stored_tokens:]
 
+    def static_nbytes(self) -> int:
+        """Bytes of the side data a layer keeps once whatever its tokens and rows: static scales and zero points
+        and a calibrated codebook (counted in ``nbytes`` of every chunk that holds them)."""
+        once = [self.qt.codebook]
+        if self.static:
+            once += [self.qt.scale, self.qt.zero_point]
+        return sum(t.numel() * t.element_size() for t in once if t is not None)
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held: the packed code bytes as stored, plus scales and zero points in their storage dtype and the
         outliers (values + indices), counted with the scales as side data."""
-        side = (self.qt.scale, self.qt.zero_point, self.qt.outlier_values, self.qt.outlier_index)
+        side = (self.qt.scale, self.qt.zero_point, self.qt.outlier_values, self.qt.outlier_index,
+                self.qt.codebook)  # a calibrated codebook (nuq) is held once per layer and tensor
         scales = sum(t.numel() * t.element_size() for t in side if t is not None)
         codes = self.packed.numel() * self.packed.element_size()
         return {"codes": codes, "scales": scales, "total": codes + scales}
 
 
+@dataclass
+class _Piece:
+    """Quantized tokens of the rows ``rows``: stored positions ``[start, end)`` of each of them (the same positions
+    for all: rows that quantize different positions at a call get different pieces), as one ``StoredChunk`` of
+    shape ``[len(rows), kv_heads, end - start, head_dim]``. ``token_block``: the statistics block of a dynamic
+    per-channel spec (eviction then drops whole blocks), else None."""
+
+    rows: tuple[int, ...]
+    start: int
+    end: int
+    chunk: StoredChunk
+    token_block: int | None = None
+
+
+class _StoredRun:
+    """What ``QuantizedKVLayer.chunks_k`` / ``chunks_v`` list: one piece of quantized storage with ``read()``,
+    the values attention reads at its positions (``[rows, kv_heads, tokens, head_dim]``, from the layer's read
+    buffer), and ``read_storage()``, a fresh unpack and dequantization of its packed codes, cut to the same
+    tokens."""
+
+    def __init__(self, layer: QuantizedKVLayer, kind: str, piece: _Piece):
+        self.layer, self.kind, self.piece = layer, kind, piece
+
+    def _first(self) -> int:
+        return max(self.piece.start, self.layer.evicted, self.layer.base)
+
+    def read(self) -> torch.Tensor:
+        store = self.layer.stores[self.kind]
+        store.apply_pending(self.layer.base)
+        p, base = self.piece, self.layer.base
+        return store.view[self.layer.rows_index(p.rows), :, self._first() - base:p.end - base]
+
+    def read_storage(self) -> torch.Tensor:
+        return self.piece.chunk.read_storage()[:, :, self._first() - self.piece.start:]
+
+    def nbytes(self) -> dict[str, int]:
+        return self.piece.chunk.nbytes()
+
+
+class _TensorStore:
+    """One tensor kind (keys or values) of one layer: the read buffer, the quantized pieces, and the read-buffer
+    writes that wait for the next call (modes that read before they quantize).
+
+    ``view`` ``[batch, kv_heads, capacity, head_dim]``: what attention reads at each stored position (slot ``i``
+    holds position ``layer.base + i``): the full-precision token as attention reads it
+    (``TensorQuantizer.full_precision``) until the token is quantized, its read-back value after. ``raw`` (same
+    shape) holds the model's own tensor when a transform keeps full-precision tokens in its domain (the
+    quantizer needs x itself); otherwise ``view`` holds x until it is quantized and ``raw`` is None."""
+
+    def __init__(self, kind: str, quantizer: TensorQuantizer, schedule: Schedule):
+        self.kind, self.q, self.sched = kind, quantizer, schedule
+        self.view: torch.Tensor | None = None
+        self.raw: torch.Tensor | None = None
+        self.pieces: list[_Piece] = []
+        # (rows, start, end, read-back values): quantized this call, written into ``view`` at the next call
+        self.pending: list[tuple[tuple[int, ...], int, int, torch.Tensor]] = []
+        self.rows_index = None  # set by the layer: rows -> index for dim 0
+
+    def source(self) -> torch.Tensor:
+        assert self.view is not None
+        return self.view if self.raw is None else self.raw
+
+    def write_view(self, rows: tuple[int, ...], start: int, end: int, values: torch.Tensor, base: int) -> None:
+        """Overwrite positions ``[start, end)`` of ``rows`` (those still in the buffer) with ``values``."""
+        assert self.view is not None and self.rows_index is not None
+        first = max(start, base)
+        if end <= first:
+            return
+        self.view[self.rows_index(rows), :, first - base:end - base] = values[:, :, first - start:]
+
+    def apply_pending(self, base: int) -> None:
+        for rows, start, end, values in self.pending:
+            self.write_view(rows, start, end, values, base)
+        self.pending.clear()
+
+    def push(self, piece: _Piece) -> None:
+        """Append ``piece``; merge the last two pieces while the older is no longer than the newer (same rows,
+        adjacent positions): each token's codes are then copied O(log n) times over a whole generation."""
+        pieces = self.pieces
+        pieces.append(piece)
+        while len(pieces) >= 2:
+            a, b = pieces[-2], pieces[-1]
+            if (a.rows != b.rows or a.end != b.start or a.end - a.start > b.end - b.start
+                    or a.chunk.qt.spec.fmt.whole_tensor):
+                break
+            pieces[-2:] = [_Piece(a.rows, a.start, b.end, a.chunk.extend(b.chunk), a.token_block)]
+
+    def evict(self, lo: int) -> None:
+        """Forget stored positions before ``lo``: pieces that end before it, and the front of the piece it cuts (by
+        whole token blocks for per-channel statistics: a block is kept while any of its tokens is held)."""
+        kept = []
+        for p in self.pieces:
+            if p.end <= lo:
+                continue
+            if p.start < lo:
+                if p.token_block is None:
+                    drop, blocks = lo - p.start, 0
+                else:
+                    blocks = (lo - p.start) // p.token_block
+                    drop = blocks * p.token_block
+                if drop:
+                    p.chunk.drop_front(0, drop, blocks)
+                    p.start += drop
+            kept.append(p)
+        self.pieces = kept
+
+    def nbytes(self) -> tuple[int, int]:
+        """(codes, scales) of the pieces; static side data (static scales, a codebook) counted once."""
+        codes = scales = 0
+        for i, p in enumerate(self.pieces):
+            b = p.chunk.nbytes()
+            codes += b["codes"]
+            scales += b["scales"] - (p.chunk.static_nbytes() if i else 0)
+        return codes, scales
+
+
+def _quantized_end(sched: Schedule, n: int, prompt: int) -> int:
+    """Tokens ``[sink_tokens, end)`` of a row holding ``n`` real tokens are quantized (``Schedule.quantized_end``,
+    at most ``n``); ``prompt``: the row's real tokens in the first call."""
+    return min(sched.quantized_end(n, prompt), n) if n > 0 else 0
+
+
 class QuantizedKVLayer(DynamicLayer):
     """One layer's quantized cache. Tensors are ``[batch, kv_heads, seq, head_dim]``.
 
-    Keys and values each have their residual window, quantized end and chunks, so that they can follow different
-    schedules (``KVPolicy.schedule``: KIVI quantizes keys in blocks and values in a sliding window); the sink tokens
-    are shared. ``prompt`` is the number of tokens the first call stored (transformers' schedule counts its blocks
-    from there).
+    Keys and values each have their schedule (``KVPolicy.schedule``: KIVI quantizes keys in blocks and values in a
+    sliding window), read buffer and quantized storage (``_TensorStore``); the sink tokens are shared. Positions
+    are stored positions (row ``b``'s real token ``i`` is at ``pads[b] + i``); ``prompt`` is the number of
+    positions the first call stored (row ``b``'s prompt: ``prompt - pads[b]`` real tokens).
 
     A sliding-window layer (``window``: the model config's ``sliding_window``) forgets, at the end of each call,
     every position older than the ``window`` newest (``evicted`` of them so far), as
-    ``kveval.memory.token_split`` bills it: sinks, quantized chunk and residual are cut at ``n - window``; a
-    per-channel token block keeps its codes and scales until all of its tokens have left (``block_starts``). What
-    attention reads is exactly positions ``[evicted, n)``, which the model's sliding mask limits further.
+    ``kveval.memory.token_split`` bills it: sinks, quantized storage and residual are cut at ``n - window``; a
+    per-channel token block keeps its codes and scales until all of its tokens have left. What attention reads is
+    exactly positions ``[evicted, n)``, which the model's sliding mask limits further. The read buffer keeps the
+    positions from ``base`` on; it is compacted (positions before ``evicted`` dropped) when it runs out of room.
     """
 
     def __init__(self, key_q: TensorQuantizer, value_q: TensorQuantizer, policy: KVPolicy, is_sliding: bool = False,
                  module: torch.nn.Module | None = None, implementation: str | None = None,
-                 window: int | None = None):
+                 window: int | None = None, *, left_padding: Sequence[int] | None = None,
+                 reserve: int | None = None, plans: dict | None = None):
         super().__init__()
         self.key_q, self.value_q, self.policy = key_q, value_q, policy
         self.key_spec, self.value_spec = key_q.spec, value_q.spec
         self.sched_k, self.sched_v = policy.schedule("key"), policy.schedule("value")
         self.is_sliding = is_sliding
         self.window = window if is_sliding else None
+        self.left_padding = None if left_padding is None else [int(p) for p in left_padding]
+        self.reserve = reserve  # positions to allocate at the first call (e.g. prompt + new tokens)
+        self.plans = {} if plans is None else plans  # flush plans, shared by the layers of one cache
         self.evicted = 0  # positions [0, evicted) are forgotten (sliding-window layers only)
-        S = policy.sink_tokens
-        # per tensor kind: first position of the residual tensor, of the chunk's stored rows and of what it reads,
-        # and the start positions of its per-channel token blocks (dynamic channel specs only)
-        self.res_from = {"key": S, "value": S}
-        self.chunk_from = {"key": S, "value": S}
-        self.read_from = {"key": S, "value": S}
-        self.block_starts: dict[str, list[int]] = {"key": [], "value": []}
         self.module = module  # the attention module, whose rotary embedding transforms such as pre_rope need
         # the stock attention implementation this layer's ``attend`` wraps; None: no query/output hooks to apply
         self.implementation = implementation
         self.needs_rope = key_q.needs_rope or value_q.needs_rope
         self.n_stored = 0
-        self.prompt: int | None = None  # tokens stored by the first call
-        # keys (values): tokens [sink_tokens, q_end_k) are quantized, [q_end_k, n_stored) are in res_k
-        self.q_end_k = self.q_end_v = policy.sink_tokens
-        self.sink_k = self.sink_v = self.res_k = self.res_v = None
-        # (cos, sin) [batch, tokens, head_dim] of the sink and residual tokens (only when a transform needs_rope)
-        self.sink_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.res_rope_k: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.res_rope_v: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.chunks_k: list[StoredChunk] = []  # at most one chunk each: new tokens are merged into it
-        self.chunks_v: list[StoredChunk] = []
+        self.prompt: int | None = None  # positions stored by the first call
+        self.pads: list[int] = []
+        self.base = 0  # stored position of slot 0 of the buffers
+        self.capacity = 0
+        self.stores = {"key": _TensorStore("key", key_q, self.sched_k),
+                       "value": _TensorStore("value", value_q, self.sched_v)}
+        for store in self.stores.values():
+            store.rows_index = self.rows_index
+        # (cos, sin) [batch, capacity, head_dim] of the stored positions (only when a transform needs_rope)
+        self.rope_buf: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    # --- buffers ---------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        empty_k = key_states[:, :, :0]
-        empty_v = value_states[:, :, :0]
-        self.sink_k, self.sink_v, self.res_k, self.res_v = empty_k, empty_v, empty_k, empty_v
-        self.keys, self.values = empty_k, empty_v  # transformers reads dtype/device from these
+        B = key_states.shape[0]
+        pads = self.left_padding if self.left_padding is not None else [0] * B
+        if len(pads) != B:
+            raise KvevalError(f"left_padding has {len(pads)} rows; the batch has {B}")
+        self.pads = pads
+        self._all_rows = tuple(range(B))
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]  # transformers reads dtype/device
         self.is_initialized = True
 
-    def _read_one(self, kind: str) -> torch.Tensor:
-        """Everything held of ``kind`` (``"key"``/``"value"``), as attention reads it: full-precision sinks and
-        residual through ``TensorQuantizer.full_precision`` (themselves unless a transform keeps the tensor in its
-        domain), chunks as read back."""
-        if kind == "key":
-            q, sink, res, res_rope, chunks = self.key_q, self.sink_k, self.res_k, self.res_rope_k, self.chunks_k
+    def rows_index(self, rows: tuple[int, ...]):
+        """Index of ``rows`` along dim 0: a slice for the whole batch (a view), else a LongTensor."""
+        if rows == self._all_rows:
+            return slice(None)
+        return torch.tensor(rows, device=self.device)
+
+    def _ensure_room(self, n_after: int, key_states: torch.Tensor, value_states: torch.Tensor, rope) -> None:
+        """Make the buffers hold positions up to ``n_after``: allocate them at the first call (``reserve`` or twice
+        the prompt), else drop the evicted front and/or double the capacity (amortised O(1) per position)."""
+        if n_after - self.base <= self.capacity:
+            return
+        live = self.evicted  # positions before ``evicted`` are never read nor quantized again
+        need = n_after - live
+        if not self.capacity:
+            capacity = max(need, self.reserve or 2 * need, 16)
         else:
-            q, sink, res, res_rope, chunks = self.value_q, self.sink_v, self.res_v, self.res_rope_v, self.chunks_v
-        return torch.cat([q.full_precision(sink, self.sink_rope), *[c.read() for c in chunks],
-                          q.full_precision(res, res_rope)], dim=-2)
+            capacity = self.capacity if need <= self.capacity else max(need, 2 * self.capacity)
+        start, stop = live - self.base, self.n_stored - self.base
+
+        def moved(buf: torch.Tensor | None, like: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(like.shape)
+            shape[dim] = capacity
+            new = like.new_empty(shape)
+            if buf is not None and stop > start:
+                src = buf.narrow(dim, start, stop - start)
+                new.narrow(dim, 0, stop - start).copy_(src)
+            return new
+
+        for store, x in ((self.stores["key"], key_states), (self.stores["value"], value_states)):
+            store.apply_pending(self.base)
+            store.view = moved(store.view, x, 2)
+            if store.q.reads_transformed and not store.q.is_none:
+                store.raw = moved(store.raw, x, 2)
+        if rope is not None:
+            old = self.rope_buf
+            self.rope_buf = (moved(None if old is None else old[0], rope[0].expand(len(self.pads), -1, -1), 1),
+                             moved(None if old is None else old[1], rope[1].expand(len(self.pads), -1, -1), 1))
+        self.base, self.capacity = live, capacity
+
+    # --- reads -------------------------------------------------------------------------------------------------
+    def _read_one(self, kind: str) -> torch.Tensor:
+        """Everything held of ``kind`` (``"key"``/``"value"``), as attention reads it: positions ``[evicted, n)``,
+        ``[batch, kv_heads, n - evicted, head_dim]`` (a view of the read buffer)."""
+        store = self.stores[kind]
+        store.apply_pending(self.base)
+        assert store.view is not None
+        return store.view[:, :, self.evicted - self.base:self.n_stored - self.base]
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._read_one("key"), self._read_one("value")
 
+    @property
+    def chunks_k(self) -> list[_StoredRun]:
+        """The quantized key storage, piece by piece (``read()`` / ``read_storage()`` / ``nbytes()``)."""
+        return [_StoredRun(self, "key", p) for p in self.stores["key"].pieces]
+
+    @property
+    def chunks_v(self) -> list[_StoredRun]:
+        return [_StoredRun(self, "value", p) for p in self.stores["value"].pieces]
+
+    def quantized_end(self, kind: str, row: int = 0) -> int:
+        """Stored position where row ``row``'s quantized ``kind`` tokens end (``sink_tokens`` before any)."""
+        sched = self.stores[kind].sched
+        if not self.pads:
+            return sched.sink_tokens
+        pad = self.pads[row]
+        n = max(self.n_stored - pad, 0)
+        return pad + max(_quantized_end(sched, n, (self.prompt or 1) - pad), sched.sink_tokens)
+
+    @property
+    def q_end_k(self) -> int:
+        return self.quantized_end("key")
+
+    @property
+    def q_end_v(self) -> int:
+        return self.quantized_end("value")
+
+    # --- the call ------------------------------------------------------------------------------------------------
     def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
         """The attention call while this layer's cache is in use (``kveval.patch.attention.patched_while_passed``,
         only for layers whose transforms hook the query, the output or the attention itself): the query hooks, the
@@ -218,44 +447,85 @@ class QuantizedKVLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n_new = key_states.shape[-2]
-        prefill_fp = self.policy.prefill == "fp" and n_new > 1
-        before = self._read() if prefill_fp and self.n_stored > 0 else None
-
-        # sinks first, the rest into the residuals
-        room = max(self.policy.sink_tokens - self.n_stored, 0)
-        take = min(room, n_new)
-        if take:
-            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :take]], dim=-2)
-            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=-2)
-        self.res_k = torch.cat([self.res_k, key_states[:, :, take:]], dim=-2)
-        self.res_v = torch.cat([self.res_v, value_states[:, :, take:]], dim=-2)
-        new_rope = rope_for(self.module, key_states.shape[-1], self.key_q, self.value_q) if self.needs_rope else None
-        if new_rope is not None:
-            cos, sin = new_rope
-            self.sink_rope = self._append_rope(self.sink_rope, (cos[:, :take], sin[:, :take]))
-            self.res_rope_k = self._append_rope(self.res_rope_k, (cos[:, take:], sin[:, take:]))
-            self.res_rope_v = self._append_rope(self.res_rope_v, (cos[:, take:], sin[:, take:]))
-        self.n_stored += n_new
+        n0, n1 = self.n_stored, self.n_stored + n_new
         if self.prompt is None:
-            self.prompt = self.n_stored
+            self.prompt = n1
+            short = [b for b, p in enumerate(self.pads) if p >= n1]
+            if short:
+                raise KvevalError(f"rows {short} of the batch are all padding ({n1} positions); give every row a token")
+        prefill_fp = self.policy.prefill == "fp" and n_new > 1
+        new_rope = rope_for(self.module, key_states.shape[-1], self.key_q, self.value_q) if self.needs_rope else None
+        self._ensure_room(n1, key_states, value_states, new_rope)
+        base, ev = self.base, self.evicted
+        if new_rope is not None:
+            assert self.rope_buf is not None
+            self.rope_buf[0][:, n0 - base:n1 - base] = new_rope[0]
+            self.rope_buf[1][:, n0 - base:n1 - base] = new_rope[1]
 
-        # the schedule of kveval.policy.masks (Schedule.read_quantized_end), per tensor: sliding mode stores then
-        # reads; the other modes read, then quantize what this call completed (its queries saw it in full precision)
-        out: list[torch.Tensor | None] = []
-        for kind, sched in (("key", self.sched_k), ("value", self.sched_v)):
-            read_first = sched.reads_first and not prefill_fp
-            early = self._read_one(kind) if read_first else None
-            self._flush(kind)
-            out.append(early if early is not None or prefill_fp else self._read_one(kind))
-
+        # store the new positions in full precision (as attention reads them; x itself in ``raw`` if that differs)
+        fresh = {}
+        for store, x in ((self.stores["key"], key_states), (self.stores["value"], value_states)):
+            store.apply_pending(base)
+            assert store.view is not None
+            fresh[store.kind] = store.q.full_precision(x, new_rope)
+            store.view[:, :, n0 - base:n1 - base] = fresh[store.kind]
+            if store.raw is not None:
+                store.raw[:, :, n0 - base:n1 - base] = x
+        self.n_stored = n1
+        out: list[torch.Tensor] = []
+        for store in (self.stores["key"], self.stores["value"]):
+            assert store.view is not None
+            if prefill_fp:  # the new tokens in full precision, after what the cache held before this call
+                read = fresh[store.kind] if n0 == 0 else torch.cat(
+                    [store.view[:, :, ev - base:n0 - base], fresh[store.kind]], dim=-2)
+            else:
+                read = store.view[:, :, ev - base:n1 - base]
+            # the schedule of kveval.policy.masks (Schedule.read_quantized_end), per tensor: sliding mode stores
+            # then reads; the other modes read, then quantize what this call completed (its queries saw it in full
+            # precision): their read-back values reach the read buffer at the next call
+            self._flush(store, n0, n1, defer=store.sched.reads_first)
+            if prefill_fp:
+                read = self._single_token_rows(store, read, n0, n1)
+            out.append(read)
         self._evict()
-        if prefill_fp:
-            key_states = self.key_q.full_precision(key_states, new_rope)
-            value_states = self.value_q.full_precision(value_states, new_rope)
-            if before is None:
-                return key_states, value_states
-            return torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
         return out[0], out[1]
+
+    def _single_token_rows(self, store: _TensorStore, read: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
+        """With ``prefill: fp``, a multi-token call answers its new tokens in full precision; a row whose part of
+        the call is a single real token (padding before it) answers what the schedule reads instead, as that row
+        decoded alone would (its call brings one token)."""
+        rows = [b for b, p in enumerate(self.pads) if n1 - max(n0, p) == 1]
+        if not rows:
+            return read
+        assert store.view is not None
+        read = read.clone()
+        sched_read = store.view[:, :, self.evicted - self.base:n1 - self.base]  # reads_first: pending not applied
+        index = torch.tensor(rows, device=read.device)
+        read[index] = sched_read[index]
+        return read
+
+    def _flush_plan(self, sched: Schedule, n0: int, n1: int) -> tuple[tuple[tuple[int, ...], int, int], ...]:
+        """Which stored positions each row quantizes in a call from ``n0`` to ``n1`` positions: ``(rows, start,
+        end)`` groups (rows quantizing the same positions together). Per row, in its real tokens: from where its
+        quantized tokens ended (or, later, from where the window evicted) to ``Schedule.quantized_end``. Shared
+        by the layers of one cache (the same for every layer with this schedule and eviction state)."""
+        key = (sched, n0, n1, self.evicted, self.prompt, tuple(self.pads))
+        plan = self.plans.get(key)
+        if plan is None:
+            groups: dict[tuple[int, int], list[int]] = {}
+            S = sched.sink_tokens
+            for b, pad in enumerate(self.pads):
+                prompt = (self.prompt or 1) - pad
+                lo = max(self.evicted - pad, 0)
+                start = max(_quantized_end(sched, max(n0 - pad, 0), prompt), S, lo)
+                end = _quantized_end(sched, n1 - pad, prompt)
+                if end > start:
+                    groups.setdefault((pad + start, pad + end), []).append(b)
+            plan = tuple((tuple(rows), a, e) for (a, e), rows in groups.items())
+            if len(self.plans) > 256:
+                self.plans.clear()
+            self.plans[key] = plan
+        return plan
 
     def _token_block(self, q: TensorQuantizer, block: int | None, tokens: int) -> int | None:
         """The token block of a dynamic per-channel spec's statistics (None for every other spec)."""
@@ -265,6 +535,35 @@ class QuantizedKVLayer(DynamicLayer):
             return None
         return q.spec.gran.block(tokens, block)
 
+    def _flush(self, store: _TensorStore, n0: int, n1: int, defer: bool) -> None:
+        """Quantize the positions that left ``store``'s residual in this call (``_flush_plan``): one quantize call
+        per group of rows (per row for whole-tensor formats, whose statistics span the batch); the read-back
+        values go into the read buffer now, or at the next call (``defer``)."""
+        q = store.q
+        if q.is_none:  # a tensor kept in full precision: the read buffer already holds it
+            return
+        sched, base = store.sched, self.base
+        block = sched.residual if sched.blocks else None
+        channel_block = block if q.spec.granularity == "channel" else None
+        for rows, start, end in self._flush_plan(sched, n0, n1):
+            parts = [(r,) for r in rows] if q.spec.fmt.whole_tensor and len(rows) > 1 else [rows]
+            for part in parts:
+                index = self.rows_index(part)
+                x = store.source()[index, :, start - base:end - base]
+                rope = None
+                if q.needs_rope:
+                    assert self.rope_buf is not None
+                    rope = (self.rope_buf[0][index, start - base:end - base],
+                            self.rope_buf[1][index, start - base:end - base])
+                chunk = StoredChunk.store(x, q, channel_block, rope)
+                decoded, chunk.decoded = chunk.decoded, None
+                assert decoded is not None
+                store.push(_Piece(part, start, end, chunk, self._token_block(q, block, end - start)))
+                if defer:
+                    store.pending.append((part, start, end, decoded))
+                else:
+                    store.write_view(part, start, end, decoded, base)
+
     def _evict(self) -> None:
         """Forget the positions older than the window's (sliding-window layers; see the class docstring)."""
         if self.window is None:
@@ -273,94 +572,10 @@ class QuantizedKVLayer(DynamicLayer):
         if lo <= self.evicted:
             return
         self.evicted = lo
-        sink_end = min(self.policy.sink_tokens, self.n_stored)
-        drop = min(lo, sink_end) - (sink_end - self.sink_k.shape[-2])
-        if drop > 0:
-            self.sink_k, self.sink_v = self.sink_k[:, :, drop:], self.sink_v[:, :, drop:]
-            if self.sink_rope is not None:
-                self.sink_rope = (self.sink_rope[0][:, drop:], self.sink_rope[1][:, drop:])
-        for kind in ("key", "value"):
-            chunks = self.chunks_k if kind == "key" else self.chunks_v
-            q_end = self.q_end_k if kind == "key" else self.q_end_v
-            if chunks and lo > self.read_from[kind]:
-                if lo >= q_end:
-                    chunks.clear()
-                    self.chunk_from[kind] = self.read_from[kind] = q_end
-                    self.block_starts[kind] = []
-                else:
-                    starts = self.block_starts[kind]
-                    if starts:
-                        ends = [*starts[1:], q_end]
-                        gone = sum(1 for e in ends if e <= lo)
-                        new_from, blocks = starts[gone], gone
-                        self.block_starts[kind] = starts[gone:]
-                    else:
-                        new_from, blocks = lo, 0
-                    chunks[0].drop_front(lo - self.read_from[kind], new_from - self.chunk_from[kind], blocks)
-                    self.read_from[kind], self.chunk_from[kind] = lo, new_from
-            drop = min(lo, self.n_stored) - self.res_from[kind]
-            if drop > 0:
-                if kind == "key":
-                    self.res_k = self.res_k[:, :, drop:]
-                    if self.res_rope_k is not None:
-                        self.res_rope_k = (self.res_rope_k[0][:, drop:], self.res_rope_k[1][:, drop:])
-                else:
-                    self.res_v = self.res_v[:, :, drop:]
-                    if self.res_rope_v is not None:
-                        self.res_rope_v = (self.res_rope_v[0][:, drop:], self.res_rope_v[1][:, drop:])
-                self.res_from[kind] += drop
+        for store in self.stores.values():
+            store.evict(lo)
 
-    def _flush(self, kind: str) -> None:
-        """Move the tokens of ``kind`` that have left its residual (``Schedule.quantized_end``) into quantized
-        storage."""
-        sched = self.sched_k if kind == "key" else self.sched_v
-        q_end = self.q_end_k if kind == "key" else self.q_end_v
-        end = min(sched.quantized_end(self.n_stored, self.prompt or 1), self.n_stored)
-        if end <= q_end:
-            return
-        start = self.res_from[kind]  # positions [q_end, start) left a sliding window before being quantized
-        move = max(end - start, 0)
-        block = sched.residual if sched.blocks else None
-        if kind == "key":
-            res, res_rope, q, chunks = self.res_k, self.res_rope_k, self.key_q, self.chunks_k
-        else:
-            res, res_rope, q, chunks = self.res_v, self.res_rope_v, self.value_q, self.chunks_v
-        if move:
-            rope = None if res_rope is None else (res_rope[0][:, :move], res_rope[1][:, :move])
-            res_rope = None if res_rope is None else (res_rope[0][:, move:], res_rope[1][:, move:])
-            if not chunks:
-                self.chunk_from[kind] = self.read_from[kind] = start
-            self._store(res[:, :, :move], q, chunks, block, rope)
-            token_block = self._token_block(q, block, move)
-            if token_block is not None:
-                self.block_starts[kind].extend(range(start, end, token_block))
-            res = res[:, :, move:]
-            self.res_from[kind] = end
-        if kind == "key":
-            self.res_k, self.res_rope_k, self.q_end_k = res, res_rope, end
-        else:
-            self.res_v, self.res_rope_v, self.q_end_v = res, res_rope, end
-
-    @staticmethod
-    def _append_rope(old: tuple[torch.Tensor, torch.Tensor] | None,
-                     new: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return new if old is None else (torch.cat([old[0], new[0]], dim=1), torch.cat([old[1], new[1]], dim=1))
-
-    @staticmethod
-    def _store(x: torch.Tensor, q: TensorQuantizer, chunks: list, block: int | None, rope=None) -> None:
-        """Quantize and pack x ``[batch, kv_heads, n, head_dim]`` (``block``: the channel block of a per-channel
-        spec) and append it to ``chunks``."""
-        r = rope if q.needs_rope else None
-        if q.is_none:
-            # a layer that keeps this tensor in full precision stores it as a plain chunk (as attention reads it)
-            new = _FullPrecisionChunk(q.full_precision(x, r).clone())
-        else:
-            new = StoredChunk.store(x, q, block if q.spec.granularity == "channel" else None, r)
-        if chunks:
-            chunks[0] = chunks[0].extend(new)
-        else:
-            chunks.append(new)
-
+    # --- bookkeeping -----------------------------------------------------------------------------------------------
     def get_seq_length(self) -> int:
         return self.n_stored
 
@@ -374,43 +589,38 @@ class QuantizedKVLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.__init__(self.key_q, self.value_q, self.policy, self.is_sliding, self.module, self.implementation,
-                      self.window)
+                      self.window, left_padding=self.left_padding, reserve=self.reserve, plans=self.plans)
+
+    def _full_precision_tokens(self, store: _TensorStore) -> int:
+        """Real tokens of ``store``'s kind held in full precision, summed over the rows: sinks and residual window
+        not yet evicted (every held token when the spec is ``none``)."""
+        total, S = 0, store.sched.sink_tokens
+        for pad in self.pads:
+            n = self.n_stored - pad
+            lo = max(self.evicted - pad, 0)
+            if store.q.is_none:
+                total += max(n - lo, 0)
+                continue
+            q_end = _quantized_end(store.sched, n, (self.prompt or 1) - pad)
+            total += max(min(S, n) - lo, 0) + max(n - max(q_end, lo), 0)
+        return total
 
     def nbytes(self) -> dict:
-        """Bytes held: ``codes`` (packed), ``scales`` (scales and zero points), ``residual`` (full-precision tokens:
-        sinks, residual windows, and tensors whose spec is ``none``)."""
+        """Bytes held: ``codes`` (packed), ``scales`` (scales and zero points, outliers), ``residual``
+        (full-precision tokens: sinks, residual windows, and tensors whose spec is ``none``), summed over the rows'
+        real tokens (padding positions are not held)."""
         out = {"codes": 0, "scales": 0, "residual": 0}
         if not self.is_initialized:
             return {**out, "total": 0}
-        for t in (self.sink_k, self.sink_v, self.res_k, self.res_v):
-            out["residual"] += t.numel() * t.element_size()
-        for chunk in (*self.chunks_k, *self.chunks_v):
-            b = chunk.nbytes()
-            if isinstance(chunk, _FullPrecisionChunk):
-                out["residual"] += b["total"]
-            else:
-                out["codes"] += b["codes"]
-                out["scales"] += b["scales"]
+        for store in self.stores.values():
+            assert store.view is not None
+            H, D = store.view.shape[1], store.view.shape[3]
+            out["residual"] += self._full_precision_tokens(store) * H * D * store.view.element_size()
+            codes, scales = store.nbytes()
+            out["codes"] += codes
+            out["scales"] += scales
         out["total"] = out["codes"] + out["scales"] + out["residual"]
         return out
-
-
-@dataclass
-class _FullPrecisionChunk:
-    x: torch.Tensor
-
-    def read(self) -> torch.Tensor:
-        return self.x
-
-    def extend(self, other: _FullPrecisionChunk) -> _FullPrecisionChunk:
-        return _FullPrecisionChunk(torch.cat([self.x, other.x], dim=2))
-
-    def drop_front(self, read_tokens: int, stored_tokens: int, blocks: int = 0) -> None:
-        self.x = self.x[:, :, read_tokens:]
-
-    def nbytes(self) -> dict:
-        n = self.x.numel() * self.x.element_size()
-        return {"codes": 0, "scales": 0, "total": n}
 
 
 def cache_kwargs(model, cache: Cache) -> dict:
@@ -428,12 +638,34 @@ def _sliding_layers(model, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
     return sliding_window_layers(cfg.to_dict(), n_layers)
 
 
+def left_padding_of(attention_mask: torch.Tensor) -> list[int]:
+    """Per row, the padding positions before its first token: ``attention_mask`` ``[batch, n]`` (1 = token,
+    0 = padding) must be 0...0 1...1 in every row (KvevalError otherwise: right padding or holes would be stored
+    as tokens). Worked: ``[[0, 0, 1, 1], [1, 1, 1, 1]]`` -> ``[2, 0]``."""
+    mask = attention_mask.to(torch.bool)
+    if mask.dim() != 2:
+        raise KvevalError(f"expected a 2-D attention mask [batch, positions]; got shape {tuple(mask.shape)}")
+    pads = (~mask).long().cumprod(dim=1).sum(dim=1)
+    n = mask.shape[1]
+    left = torch.arange(n, device=mask.device)[None, :] >= pads[:, None]
+    if not torch.equal(left, mask):
+        raise KvevalError("QuantizedKVCache: the attention mask is not left padding (0...0 1...1 in every row); "
+                          "pad batches on the left for generation")
+    return [int(p) for p in pads.tolist()]
+
+
 class QuantizedKVCache(Cache):
     """A transformers ``Cache`` whose layers store K/V quantized under ``policy``.
 
     Full-attention layers keep every token; sliding-window layers (the config's ``layer_types`` /
     ``sliding_window``) keep the newest ``window`` tokens, so that ``nbytes()`` equals the memory bill
-    (``kveval.memory.kv_bytes`` of ``Arch.from_model``) after every call.
+    (``kveval.memory.kv_bytes`` of ``Arch.from_model``) after every call; for a batch, the sum of its rows' bills.
+
+    ``left_padding``: per row, the padding positions before its first token (the module docstring, "Batches and
+    left padding"); None: read from the ``attention_mask`` of the first forward call of ``model`` that receives
+    this cache (``model.generate`` passes it), every row starting at position 0 when there is none.
+    ``max_length``: positions to allocate at the first call (prompt + new tokens; the buffers grow by doubling
+    otherwise).
 
     K/V transforms (``policy.transform_sequence()``) act through the layers' ``TensorQuantizer``s, as in
     ``emulate``. When a transform hooks the query or the attention output (e.g. a rotation that keeps the cache
@@ -443,7 +675,8 @@ class QuantizedKVCache(Cache):
     hooks nothing is wrapped and the model runs its own attention function.
     """
 
-    def __init__(self, model, policy: KVPolicy):
+    def __init__(self, model, policy: KVPolicy, *, left_padding: Sequence[int] | torch.Tensor | None = None,
+                 max_length: int | None = None):
         modules = attention_modules(model)
         n = len(modules)
         window, sliding = _sliding_layers(model, n)
@@ -451,20 +684,51 @@ class QuantizedKVCache(Cache):
         scales = policy_scales(policy, model)
         if any(t.needs_rope for t in policy.transform_sequence()):
             track_rope(model)
-        quantizers = [layer_quantizers(policy, m.layer_idx, n, scales, model.device, model_type_of(model))
+        quantizers = [layer_quantizers(policy, m.layer_idx, n, scales, model.device, model_type_of(model),
+                                       sliding)
                       for m in modules]
         hooked = any(q.hooks_attention for pair in quantizers for q in pair)
         base = attn.base_implementation(model) if hooked else None
+        if isinstance(left_padding, torch.Tensor):
+            left_padding = [int(p) for p in left_padding.tolist()]
+        if left_padding is not None and any(p < 0 for p in left_padding):
+            raise KvevalError(f"left_padding must be >= 0 per row; got {list(left_padding)}")
+        plans: dict = {}
         layers = [
             QuantizedKVLayer(k_q, v_q, policy, is_sliding=m.layer_idx in sliding, module=m,
                              implementation=base if k_q.hooks_attention or v_q.hooks_attention else None,
-                             window=window)
+                             window=window, left_padding=left_padding, reserve=max_length, plans=plans)
             for m, (k_q, v_q) in zip(modules, quantizers)
         ]
         super().__init__(layers=layers)
         self.policy = policy
+        self.left_padding = None if left_padding is None else list(left_padding)
         if hooked:
             attn.patched_while_passed(model, {m: la for m, la in zip(modules, layers) if la.implementation}, self)
+        if left_padding is None:
+            self._watch_first_mask(model)
+
+    def _watch_first_mask(self, model) -> None:
+        """Read the left padding from the ``attention_mask`` of the first forward call of ``model`` that receives
+        this cache (a forward pre-hook, removed after that call or when the cache is garbage-collected)."""
+        ref = weakref.ref(self)
+
+        def before(_module, args, kwargs):
+            cache = ref()
+            if cache is None or not (any(a is cache for a in args) or any(v is cache for v in kwargs.values())):
+                return
+            handle.remove()
+            mask = kwargs.get("attention_mask")
+            if cache.get_seq_length() > 0 or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+                return
+            pads = left_padding_of(mask)
+            if any(pads):
+                cache.left_padding = pads
+                for layer in cache.layers:
+                    layer.left_padding = pads
+
+        handle = model.register_forward_pre_hook(before, with_kwargs=True)
+        weakref.finalize(self, handle.remove)
 
     def nbytes(self) -> dict:
         """Bytes held by all layers: ``codes``, ``scales``, ``residual`` and ``total``."""
@@ -483,7 +747,7 @@ def decode_logits(model, input_ids: torch.Tensor, policy: KVPolicy, prefill_len:
     The second computation path of the emulation contract: ``emulate(model, policy, prefill_len=P)`` gives the
     same logits up to float rounding (with ``prefill_len`` 0 or 1 both mean "every token decoded").
     """
-    cache = QuantizedKVCache(model, policy)
+    cache = QuantizedKVCache(model, policy, max_length=input_ids.shape[1])
     kw = cache_kwargs(model, cache)
     first = max(prefill_len, 1)
     out = [model(input_ids[:, :first], use_cache=True, **kw).logits]

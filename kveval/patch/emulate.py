@@ -29,6 +29,14 @@ output hooks, exactly as around the real cache (``QuantizedKVCache``). A transfo
 (``kveval.patch.attention.attention_call``) computes every attention call in the stock function's place; it is
 told each key's token position, since the concatenated ``[k ; k̂]`` holds every token twice.
 
+Memory: no ``[T, T]`` mask is ever built. Which version query ``t`` reads is a threshold per query,
+``M[t, j] = j < sink_tokens or j >= end(t)`` (or the query is in a full-precision prefill), with ``end(t) =
+Schedule.read_quantized_end`` of the call that decodes ``t`` (the function the real cache quantizes by). The
+decoded queries run in chunks of rows ``[i, e)`` that attend to the tokens ``[0, e)`` only (the later ones are
+causally masked anyway), with masks ``[e - i, parts * e]`` built from the thresholds: at most ``MASK_ELEMENTS``
+entries per chunk, so the extra memory is O(T) per query row, not O(T^2), and a chunk's softmax is exactly the
+softmax of its rows over one version of each visible token (chunking only reorders float rounding).
+
 Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
 """
 
@@ -42,11 +50,31 @@ import torch
 from kveval.errors import KvevalError
 from kveval.patch import attention as attn
 from kveval.patch.diagnostics import TensorErrorStats
-from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, model_type_of, policy_scales
+from kveval.patch.quantizers import (
+    TensorQuantizer,
+    layer_quantizers,
+    model_sliding_layers,
+    model_type_of,
+    policy_scales,
+)
 from kveval.patch.rope_capture import rope_for, track_rope
 from kveval.policy import KVPolicy
 from kveval.policy.masks import Schedule
 from kveval.quant import QuantSpec
+
+#: The largest attention mask of one chunk of decoded queries, in entries (bool here; the attention function may
+#: widen it to the query dtype): queries are chunked so that ``chunk rows x key versions x keys`` stays below this.
+MASK_ELEMENTS = 1 << 24
+
+
+def read_ends(schedule: Schedule, T: int, prefill_len: int) -> list[int]:
+    """Per query ``t < T``: tokens ``[sink_tokens, end)`` are read quantized by the call that decodes ``t`` (the
+    prefill call ``0 -> prefill_len`` for a prompt query, else ``t -> t + 1``), ``Schedule.read_quantized_end``.
+    Query ``t`` reads token ``j <= t`` in full precision iff ``j < sink_tokens`` or ``j >= end`` (or it is a prompt
+    query of a ``prefill: fp`` policy): ``Schedule.full_precision_mask`` row by row, without the ``[T, T]`` mask."""
+    prompt = max(prefill_len, 1)
+    in_prompt = schedule.read_quantized_end(0, prefill_len, prompt) if prefill_len > 0 else 0
+    return [in_prompt if t < prefill_len else schedule.read_quantized_end(t, t + 1, prompt) for t in range(T)]
 
 
 def quantized_version(x: torch.Tensor, quantizer: TensorQuantizer, schedule: Schedule, rope=None,
@@ -110,21 +138,35 @@ class LayerEmulation:
         """Whether a transform acts on this layer's attention although nothing is quantized (a domain or a hook)."""
         return any(q.reads_transformed or q.hooks_attention for q in (self.key_q, self.value_q))
 
-    def visibility(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(Mk, Mv)``, each ``[T, T]``: True where query t sees token j's key (value) in full precision, False for
-        ``j > t``; ``Mv`` is None when it equals ``Mk`` (one schedule, or two that agree on every visible pair).
-        Cached per length."""
+    def read_thresholds(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(end_k, end_v, fp_query)``, each ``[T]``: per query, where the quantized keys (values) it reads end
+        (``read_ends``; ``end_v`` None when the values share the keys' schedule) and whether it reads everything in
+        full precision (a prompt query with ``prefill: fp``). Cached per length for the layers of one call."""
         key = (T, str(device))
         if key not in self.mask_cache:
             self.mask_cache.clear()
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
             pol, P = self.policy, self.prefill_len
-            fp_k = pol.full_precision_mask(T, T, P, device=device, kind="key") & causal
-            fp_v = pol.full_precision_mask(T, T, P, device=device, kind="value") & causal if pol.split_modes else None
-            if fp_v is not None and torch.equal(fp_k, fp_v):
-                fp_v = None
-            self.mask_cache[key] = (fp_k, fp_v)
+            ends = {kind: torch.tensor(read_ends(pol.schedule(kind), T, P), device=device)
+                    for kind in ("key", "value")}
+            end_v = ends["value"] if pol.split_modes and pol.schedule("value") != pol.schedule("key") else None
+            fp_query = torch.arange(T, device=device) < (P if pol.prefill == "fp" else 0)
+            self.mask_cache[key] = (ends["key"], end_v, fp_query)
         return self.mask_cache[key]
+
+    def full_precision_rows(self, T: int, start: int, stop: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(Mk, Mv)``, each ``[stop - start, stop]``, for a sequence of ``T`` tokens: True where query ``t`` in
+        ``[start, stop)`` reads token ``j < stop``'s key (value) in full precision (rows ``start..stop-1`` of
+        ``KVPolicy.full_precision_mask``, columns ``0..stop-1``; entries ``j > t`` are not causal-masked here);
+        ``Mv`` None when the values share the keys' schedule."""
+        end_k, end_v, fp_query = self.read_thresholds(T, device)
+        j = torch.arange(stop, device=device)[None, :]
+        sinks = j < self.policy.sink_tokens
+        everything = fp_query[start:stop, None]
+        mk = sinks | (j >= end_k[start:stop, None]) | everything
+        if end_v is None:
+            return mk, None
+        mv = sinks | (j >= end_v[start:stop, None]) | everything
+        return mk, mv
 
     def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
         self.calls += 1
@@ -162,32 +204,47 @@ class LayerEmulation:
             self.value_stats.update(value, v_hat)
         if not self.policy.has_full_precision_tokens(self.prefill_len):
             return compute(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
-        fp, fp_v = self.visibility(T, key.device)
         # with an FP prefill, the P prompt queries see only full-precision keys: they run the model's own attention
         # over the prompt (its mask, or none: causal) and only the decoded queries attend over [k ; k̂]
         P = self.prefill_len if self.policy.prefill == "fp" and self.prefill_len < T else 0
+        outs, weights = [], None
         if P:
             head = None if attention_mask is None else attention_mask[..., :P, :P]
-            out_p, _ = compute(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)
-        rows = None if attention_mask is None else attention_mask[..., P:, :]
-        allowed = attn.allowed_mask(rows, T - P, T, key.device)  # [.., T - P, T]
-        if fp_v is None:
-            parts = [(key, value, fp[P:]), (k_hat, v_hat, ~fp[P:])]
+            outs.append(compute(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)[0])
+        versions = 4 if pol.split_modes else 2
+        rows = max(1, MASK_ELEMENTS // (versions * T))
+        for start in range(P, T, rows):
+            stop = min(start + rows, T)
+            out, weights = self._chunk(compute, module, query, key, value, k_hat, v_hat, attention_mask, T, start,
+                                       stop, *args, **kwargs)
+            outs.append(out)
+        if len(outs) == 1:
+            return outs[0], weights
+        return torch.cat(outs, dim=1), None  # outputs are [batch, T, heads, head_dim]
+
+    def _chunk(self, compute, module, query, key, value, k_hat, v_hat, attention_mask, T: int, start: int,
+               stop: int, *args, **kwargs):
+        """Queries ``[start, stop)`` over one version of each token ``j < stop``: keys ``[k ; k̂]`` (values
+        ``[v ; v̂]``), or the 4 (key version, value version) parts when the schedules differ, parts no query of the
+        chunk selects dropped; the mask is ``[batch or 1, 1, stop - start, parts * stop]``. (output ``[batch,
+        stop - start, heads, head_dim]``, weights)."""
+        device = key.device
+        rows = None if attention_mask is None else attention_mask[..., start:stop, :]
+        allowed = attn.allowed_mask(rows, stop - start, stop, device)  # [.., stop - start, stop]
+        mk, mv = self.full_precision_rows(T, start, stop, device)
+        k, v, kh, vh = key[:, :, :stop], value[:, :, :stop], k_hat[:, :, :stop], v_hat[:, :, :stop]
+        if mv is None:
+            parts = [(k, v, mk), (kh, vh, ~mk)]
         else:  # keys and values read on different schedules: one part per (key version, value version)
-            mk, mv = fp[P:], fp_v[P:]
-            parts = [(key, value, mk & mv), (k_hat, value, ~mk & mv), (key, v_hat, mk & ~mv),
-                     (k_hat, v_hat, ~mk & ~mv)]
-            causal = torch.ones(T, T, dtype=torch.bool, device=key.device).tril()[P:]
+            parts = [(k, v, mk & mv), (kh, v, ~mk & mv), (k, vh, mk & ~mv), (kh, vh, ~mk & ~mv)]
+            causal = torch.ones(stop - start, stop, dtype=torch.bool, device=device).tril(start)
             parts = [p for p in parts if bool((p[2] & causal).any())]
         mask = torch.cat([allowed & m for _, _, m in parts], dim=-1)
         mask = attn.inner_mask(mask, self.implementation, query.dtype)
-        keys = torch.cat([k for k, _, _ in parts], dim=-2)
-        values = torch.cat([v for _, v, _ in parts], dim=-2)
-        positions = torch.arange(T, device=key.device).repeat(len(parts))  # the parts are versions of tokens 0..T-1
-        out = compute(module, query[:, :, P:], keys, values, mask, *args, key_positions=positions, **kwargs)
-        if not P:
-            return out
-        return torch.cat([out_p, out[0]], dim=1), None  # outputs are [batch, T, heads, head_dim]
+        keys = torch.cat([x for x, _, _ in parts], dim=-2)
+        values = torch.cat([x for _, x, _ in parts], dim=-2)
+        positions = torch.arange(stop, device=device).repeat(len(parts))  # the parts are versions of tokens 0..stop-1
+        return compute(module, query[:, :, start:stop], keys, values, mask, *args, key_positions=positions, **kwargs)
 
 
 class Emulation:
@@ -230,11 +287,12 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
     if any(t.needs_rope for t in policy.transform_sequence()):
         track_rope(model)
     num_layers = len(modules)
+    sliding = model_sliding_layers(model, num_layers)
     states = []
     masks: dict = {}
     for module in modules:
         k_q, v_q = layer_quantizers(policy, module.layer_idx, num_layers, scales, model.device,
-                                    model_type_of(model))
+                                    model_type_of(model), sliding)
         states.append(LayerEmulation(
             module.layer_idx, k_q, v_q, policy, base, prefill_len=prefill_len, diagnostics=diagnostics,
             mask_cache=masks,

@@ -135,15 +135,28 @@ def model_type_of(model) -> str | None:
     return getattr(text, "model_type", None)
 
 
+def model_sliding_layers(model, num_layers: int) -> tuple[int, ...]:
+    """The model's sliding-window layer indices (``kveval.memory.sliding_window_layers`` of its config)."""
+    from kveval.memory.bill import sliding_window_layers
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return ()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return sliding_window_layers(text.to_dict(), num_layers)[1]
+
+
 def layer_quantizers(policy: KVPolicy, layer: int, num_layers: int, scales=None,
                      device: torch.device | str | None = None,
-                     model_type: str | None = None) -> tuple[TensorQuantizer, TensorQuantizer]:
+                     model_type: str | None = None,
+                     sliding_layers: tuple[int, ...] | None = None) -> tuple[TensorQuantizer, TensorQuantizer]:
     """(key, value) quantizers of one layer under ``policy``; ``scales`` from ``policy_scales``; calibrated
     parameters are moved to ``device`` (the model's). The scales file's kind follows the stored domain
     (``key_pre_rope`` with pre_rope); a transform whose stored domain no scales describe is a KvevalError.
     ``model_type`` (``model_type_of(model)``): transforms that do not apply to it (``KVTransform.applies_to``,
-    e.g. ``gguf_order`` on a Qwen model) are left out."""
-    key_spec, value_spec = policy.specs_for_layer(layer, num_layers)
+    e.g. ``gguf_order`` on a Qwen model) are left out. ``sliding_layers``: the model's sliding-window layers
+    (``model_sliding_layers``), for a policy with ``skip_sliding``."""
+    key_spec, value_spec = policy.specs_for_layer(layer, num_layers, sliding_layers)
     sequence = tuple(t for t in policy.transform_sequence() if t.applies_to(model_type))
     out = []
     kinds: tuple[tuple[Kind, QuantSpec], ...] = (("key", key_spec), ("value", value_spec))
@@ -158,6 +171,6 @@ def layer_quantizers(policy: KVPolicy, layer: int, num_layers: int, scales=None,
                                   f"for {kind}s stored after the transforms {names}; use a dynamic spec")
             qp = scales.qparams(layer, stored, spec)
             if device is not None:
-                qp = QParams(qp.scale.to(device), None if qp.zero_point is None else qp.zero_point.to(device))
+                qp = qp.to(device)  # scale, zero point and a calibrated codebook (nuq)
         out.append(TensorQuantizer(spec, qp, chain))
     return out[0], out[1]

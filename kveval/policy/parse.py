@@ -9,6 +9,7 @@ Accepted (a config's ``kv: {policies: {NAME: ...}}`` entry, or a preset's config
     {key: int2_channel, value: int2_g32, residual: 128, residual_mode: {key: block, value: sliding_lag}}
     {spec: int4_g64, transforms: [pre_rope, {name: NAME, PARAM: VALUE}]}   # K/V transforms, in order
     {spec: int4_g64, rotate: hadamard}           # a rotation on any policy (kveval.transforms.rotate)
+    {spec: int4_g64, skip_sliding: true}         # sliding-window layers in full precision (vLLM skip-layers)
     {spec: int4_g64, rotate: {kind: orthogonal, seed: 0, on: key}, pre_rope: true}   # pre-RoPE: undone on read
 
 A spec is a QuantSpec preset name or a mapping of QuantSpec fields (``{preset: int4_channel, outliers: 0.01}``).
@@ -24,7 +25,7 @@ from kveval.quant import QuantSpec, preset
 from kveval.transforms import parse_transforms
 
 POLICY_KEYS = ("preset", "key", "value", "spec", "layers", "residual", "residual_mode", "sink_tokens", "prefill",
-               "scales", "pre_rope", "transforms", "rotate")
+               "scales", "pre_rope", "transforms", "rotate", "skip_sliding")
 ROTATE_KEYS = ("kind", "block", "seed", "on", "keep")
 OVERRIDE_KEYS = ("key", "value", "spec")
 
@@ -86,6 +87,11 @@ def policy_fields(cfg: dict, where: str) -> dict[str, Any]:
         if not isinstance(cfg["pre_rope"], bool):
             raise KvevalError(f"{where}.pre_rope: expected true or false, got {cfg['pre_rope']!r}")
         fields["pre_rope"] = cfg["pre_rope"]
+    for key in ("pre_rope", "skip_sliding"):
+        if key in cfg and not isinstance(cfg[key], bool):
+            raise KvevalError(f"{where}.{key}: expected true or false, got {cfg[key]!r}")
+    if "skip_sliding" in cfg:
+        fields["skip_sliding"] = cfg["skip_sliding"]
     if "transforms" in cfg:
         fields["transforms"] = parse_transforms(cfg["transforms"] or [], f"{where}.transforms")
     if "rotate" in cfg:

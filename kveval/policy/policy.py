@@ -106,6 +106,8 @@ class KVPolicy:
     scales: str | None = None
     pre_rope: bool = False
     transforms: tuple[KVTransform, ...] = ()
+    #: keep sliding-window layers in full precision (vLLM ``--kv-cache-dtype-skip-layers sliding_window``)
+    skip_sliding: bool = False
 
     def __post_init__(self):
         self._check_transforms()
@@ -191,6 +193,8 @@ class KVPolicy:
             out["pre_rope"] = True
         if self.transforms:
             out["transforms"] = [t.to_config() for t in self.transforms]
+        if self.skip_sliding:
+            out["skip_sliding"] = True
         if self.layers:
             out["layers"] = {
                 o.selector: {k: s.to_dict() for k, s in (("key", o.key), ("value", o.value)) if s is not None}
@@ -265,8 +269,17 @@ class KVPolicy:
             specs.extend(s for s in (o.key, o.value) if s is not None)
         return specs
 
-    def specs_for_layer(self, layer: int, num_layers: int) -> tuple[QuantSpec, QuantSpec]:
-        """(key_spec, value_spec) of one layer; later overrides win over earlier ones."""
+    def specs_for_layer(self, layer: int, num_layers: int,
+                        sliding_layers: tuple[int, ...] | list[int] | None = None) -> tuple[QuantSpec, QuantSpec]:
+        """(key_spec, value_spec) of one layer; later overrides win over earlier ones. With ``skip_sliding`` a
+        layer in ``sliding_layers`` (the model's sliding-window layers) is full precision; such a policy needs
+        them (None: unknown, KvevalError)."""
+        if self.skip_sliding:
+            if sliding_layers is None:
+                raise KvevalError(f"policy '{self.name}': skip_sliding needs the model's sliding-window layers")
+            if layer in sliding_layers:
+                none = QuantSpec(format="none")
+                return none, none
         key, value = self.key, self.value
         for o in self.layers:
             if layer in layers_of(o.selector, num_layers):
@@ -321,6 +334,8 @@ class KVPolicy:
             extra.append(f"{len(self.layers)} layer override(s)")
         if self.pre_rope:
             extra.append("pre-RoPE keys")
+        if self.skip_sliding:
+            extra.append("sliding-window layers in full precision")
         if self.transforms:
             extra.append("transforms " + " > ".join(t.describe() for t in self.transforms))
         if self.needs_scales_file():

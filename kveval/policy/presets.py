@@ -51,6 +51,31 @@ def _llamacpp(t: str, rotation: bool = True) -> tuple[dict, str]:
         f"llama.cpp 0c1e570 (llama-cpp-python 0.3.36) -ctk {t} -ctv {t}, CPU: {rot}, Llama GGUF Q/K order, "
         f"{_QUERY_TYPES[t]} query")
 
+#: the KVQuant commit the kvquant*_1pct presets follow
+KVQUANT_COMMIT = "SqueezeAILab/KVQuant @57a2383"
+
+
+def kvquant_config(bits: int, outliers: float = 0.01) -> tuple[dict, str]:
+    """KVQuant's nuq``bits``-``outliers`` recipe: keys before RoPE, per channel, with calibrated bounds (the
+    0.5th/99.5th percentiles for 1%) in fp16; values per token over all kv heads with run-time quantile bounds;
+    ``bits``-bit per-layer Fisher-weighted k-means codebooks fitted on the calibration slice (``scales: auto``); the
+    outliers beyond the bounds kept exactly, at most floor(p/2 n) + 1 per side and token (n = kv heads x head_dim,
+    KVQuant's cache, ``QuantK.forward_fused_sparse``), the first token in full precision (KVQuant's
+    ``--first_few_fp16 1``, its attention-sink option, which the capped key outliers need: the first token's keys
+    exceed the per-channel bounds in many channels); every attention reads the quantized cache, the prompt's too
+    (KVQuant's simulation)."""
+    pct = f"{100 * outliers:g}%"
+    cfg = {"key": {"format": "nuq", "bits": bits, "mapping": "asymmetric", "granularity": "channel",
+                   "scale_dtype": "float16", "outliers": outliers},
+           "value": {"preset": f"nuq{bits}", "outliers": outliers},
+           "pre_rope": True, "scales": "auto", "prefill": "quantized", "sink_tokens": 1}
+    desc = (f"KVQuant nuq{bits}-{pct} ({KVQUANT_COMMIT}): keys pre-RoPE per channel with calibrated percentile "
+            f"bounds (fp16), values per token over all kv heads, {bits}-bit per-layer k-means codebooks, outliers "
+            "beyond the bounds kept exactly (at most floor(p/2 n)+1 per side and token, as its cache), first token "
+            "in fp16 (first_few_fp16 1); Fisher-weighted k-means")
+    return cfg, desc
+
+
 POLICY_PRESETS: dict[str, tuple[dict, str]] = {
     "fp16": (
         {"spec": "none"},
@@ -150,15 +175,21 @@ POLICY_PRESETS: dict[str, tuple[dict, str]] = {
         {"spec": {"preset": "int2_g64", "scale_dtype": "model"}, "residual": 128, "residual_mode": "prompt_block"},
         "transformers 5.24 QuantizedCache(backend='quanto', nbits=2) with optimum-quanto 0.2.7: asymmetric g64 per token, scale and min in the model's dtype; the prompt quantized at the end of its call, then blocks of 128 counted from the prompt end (the flushing step reads them in full precision)",
     ),
-    "kvquant4_1pct": (
-        {
-            "key": {"preset": "int4_channel", "outliers": 0.01},
-            "value": {"preset": "int4_token", "outliers": 0.01},
-            "pre_rope": True,
-            "scales": "auto",
-        },
-        "KVQuant-4bit-1%: pre-RoPE per-channel keys with calibrated scales, per-token values, 1% outliers of each vector kept exactly (uniform INT4 instead of KVQuant's non-uniform codes)",
+    # transformers 5.24 QuantizedCache(backend="hqq", axis_key=1, axis_value=1) with hqq 0.2.8.post1 (the axes
+    # transformers' docs recommend for HQQ: groups of 64 along head_dim; its default axis 0 groups strided elements
+    # of the whole flattened history, regrouped at every flush, which no per-token cache reproduces); q_group_size
+    # 64, residual_length 128; hqq's solver in float32 (CPU), scale and zero in the model's dtype
+    "hf_hqq_int4": (
+        {"spec": {"preset": "hqq4_g64"}, "residual": 128, "residual_mode": "prompt_block"},
+        "transformers 5.24 QuantizedCache(backend='hqq', nbits=4, axis_key=1, axis_value=1) with hqq 0.2.8.post1: g64 per token, zero point fitted by HQQ's half-quadratic solver, scale and zero in the model's dtype; the prompt quantized at the end of its call, then blocks of 128 counted from the prompt end (the flushing step reads them in full precision)",
     ),
+    "hf_hqq_int2": (
+        {"spec": {"preset": "hqq2_g64"}, "residual": 128, "residual_mode": "prompt_block"},
+        "transformers 5.24 QuantizedCache(backend='hqq', nbits=2, axis_key=1, axis_value=1) with hqq 0.2.8.post1: g64 per token, zero point fitted by HQQ's half-quadratic solver, scale and zero in the model's dtype; the prompt quantized at the end of its call, then blocks of 128 counted from the prompt end (the flushing step reads them in full precision)",
+    ),
+    # KVQuant nuq{4,3,2}-1% as SqueezeAILab/KVQuant @57a2383 computes it (quant/llama_simquant.py --nuq
+    # --include_sparse --sparsity-threshold 0.99; kveval/quant/formats/nuq.py, kveval/calibration/codebooks.py)
+    **{f"kvquant{b}_1pct": kvquant_config(b) for b in (4, 3, 2)},
     # vLLM >= 0.20.1 --kv-cache-dtype turboquant_* (model_executor/layers/quantization/turboquant/config.py TQ_PRESETS;
     # engine/arg_utils.py skips the first and last 2 layers of a dense model; a first prompt chunk attends to its raw K/V)
     "vllm_turboquant_k8v4": (

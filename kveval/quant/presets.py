@@ -110,3 +110,35 @@ def preset(name: str) -> QuantSpec:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown quantization preset {name!r}{hint} (kveval ls lists them)")
     return PRESETS[name][0]
+
+
+# HQQ (kveval/quant/formats/hqq.py): hqq 0.2.8.post1's quantizer, asymmetric codes per group of head_dim with the
+# zero point fitted by its half-quadratic solver, scale and zero in the model's dtype (as transformers'
+# QuantizedCache(backend="hqq") keeps them). hqq4_g32 comes first: the format contract tests take a format's first
+# preset on a model whose head_dim is 32.
+PRESETS.update({
+    "hqq4_g32": (QuantSpec(format="hqq", bits=4, mapping="asymmetric", granularity="group", group_size=32,
+                           scale_dtype="model"),
+                 "HQQ 4-bit g32 (hqq 0.2.8.post1, optimize=True): zero point fitted by the half-quadratic solver, "
+                 "scale and zero in the model's dtype"),
+    "hqq4_g64": (QuantSpec(format="hqq", bits=4, mapping="asymmetric", granularity="group", group_size=64,
+                           scale_dtype="model"),
+                 "HQQ 4-bit g64 (hqq 0.2.8.post1, optimize=True): zero point fitted by the half-quadratic solver, "
+                 "scale and zero in the model's dtype"),
+    "hqq2_g64": (QuantSpec(format="hqq", bits=2, mapping="asymmetric", granularity="group", group_size=64,
+                           scale_dtype="model"),
+                 "HQQ 2-bit g64 (hqq 0.2.8.post1, optimize=True): zero point fitted by the half-quadratic solver, "
+                 "scale and zero in the model's dtype"),
+})
+
+
+# KVQuant's non-uniform codes (kveval/quant/formats/nuq.py; SqueezeAILab/KVQuant @57a2383): per token over all kv
+# heads, fp32 bounds; the codebook is fitted by k-means on the calibration slice (a policy with scales: auto), else
+# KVQuant's NormalFloat signposts. KVQuant's key recipe (per channel, calibrated bounds, 1% outliers) is in the
+# kvquant*_1pct policy presets (kveval/policy/presets.py).
+PRESETS.update({
+    f"nuq{b}": (QuantSpec(format="nuq", bits=b, mapping="asymmetric", scale_dtype="float32"),
+                f"KVQuant nuq{b}: {b}-bit non-uniform codebook (k-means when calibrated, else NormalFloat), "
+                "per token over all kv heads, fp32 max/min")
+    for b in (4, 3, 2)
+})

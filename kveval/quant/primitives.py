@@ -25,6 +25,10 @@ A zero scale (all-zero or constant group) divides by 1 instead: codes are 0 and 
 (asymmetric, float zero point), never NaN. NaN/Inf in x raise ValueError, detected on the per-group statistics
 (for static scales or given qparams, which have none, one min/max pass over x).
 
+Whole-tensor formats (`QuantFormat.whole_tensor`: 'nuq', KVQuant's non-uniform codes with statistics across the
+kv heads and threshold outliers) do all of the above themselves: `quantize` / `dequantize` / `packed_nbytes` hand
+x to `spec.fmt.quantize_tensor` / `dequantize_tensor` / `tensor_nbytes`.
+
 Codes (`spec.fmt.code_dtype`): symmetric int -> int8 (signed), asymmetric int -> uint8, fp8 ->
 torch.float8_e4m3fn / float8_e5m2, ggml -> int8 for q8_0/q4_0/q5_0 (code = ggml's q - 8 / q - 16), uint8 for
 q4_1/q5_1; always shaped [B, H, T, D]. Stored packed along head_dim (`spec.fmt.pack`): `packed_nbytes`.
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats.base import SCALE_TORCH_DTYPES, QParams, check_finite, minmax
+from .formats.base import SCALE_TORCH_DTYPES, QParams, TensorParts, check_finite, minmax
 from .granularity import Segment
 from .packing import pack, unpack
 from .spec import BLOCK_SCALE_DTYPES, QuantSpec
@@ -64,10 +68,11 @@ class QuantizedTensor:
     static: bool = False  # qparams were given (calibrated), broadcast over tokens
     outlier_values: torch.Tensor | None = None  # [B, H, T, k], x's dtype
     outlier_index: torch.Tensor | None = None  # [B, H, T, k], uint8 (int16 when head_dim > 256)
+    codebook: torch.Tensor | None = None  # a calibrated per-layer codebook ('nuq'), kept once, counted with scales
 
     def nbytes(self) -> dict[str, int]:
         """Bytes measured on the real tensors: codes packed row-wise along head_dim (`spec.fmt.pack`), scales +
-        zero points, outliers (values + indices).
+        zero points (+ a calibrated codebook), outliers (values + indices).
 
         Equals `packed_nbytes(spec, shape)`; e.g. int4 g64 on [1, 8, 4096, 128]: codes 32768*64 = 2 MiB,
         scales + float16 mins 32768*2*(2+2) = 256 KiB.
@@ -78,7 +83,8 @@ class QuantizedTensor:
         else:
             packed = spec.fmt.pack(self.codes, spec)
             codes = packed.numel() * packed.element_size()
-        scales = sum(t.numel() * t.element_size() for t in (self.scale, self.zero_point) if t is not None)
+        scales = sum(t.numel() * t.element_size() for t in (self.scale, self.zero_point, self.codebook)
+                     if t is not None)
         outliers = sum(t.numel() * t.element_size() for t in (self.outlier_values, self.outlier_index) if t is not None)
         return {"codes": codes, "scales": scales, "outliers": outliers, "total": codes + scales + outliers}
 
@@ -187,6 +193,8 @@ def choose_qparams(x: torch.Tensor, spec: QuantSpec, *, channel_block: int | Non
         raise ValueError("format 'none' has no quantization parameters")
     spec = spec.resolved(x.dtype)
     fmt = spec.fmt
+    if fmt.whole_tensor:
+        raise ValueError(f"format {fmt.name!r} quantizes the whole tensor; use quantize(x, spec).scale")
     cb = _resolve_block(spec, x.shape[2], channel_block)
     if x.numel() == 0:
         return _empty_qparams(spec, tuple(x.shape), cb)
@@ -217,6 +225,8 @@ def quantize(
     if spec.is_none:
         return QuantizedTensor(x, None, None, spec, x.shape, x.dtype)
     spec = spec.resolved(x.dtype)
+    if spec.fmt.whole_tensor:
+        return _quantize_whole(x, spec, qparams)
     k = spec.outlier_count(shape[-1])
     if k and x.numel():
         dense, values, index = split_outliers(x, k)
@@ -246,6 +256,13 @@ def quantize(
         zp = None if zp_all is None else zp_all[:, :, sl]
         parts.append(fmt.encode(xv, s_all[:, :, sl], zp, spec))
     return QuantizedTensor(_cat(parts, shape), qparams.scale, qparams.zero_point, spec, x.shape, x.dtype, cb)
+
+
+def _quantize_whole(x: torch.Tensor, spec: QuantSpec, qparams: QParams | None) -> QuantizedTensor:
+    parts: TensorParts = spec.fmt.quantize_tensor(x, spec, qparams)
+    return QuantizedTensor(parts.codes, parts.scale, parts.zero_point, spec, x.shape, x.dtype, None,
+                           static=parts.static, outlier_values=parts.outlier_values,
+                           outlier_index=parts.outlier_index, codebook=parts.codebook)
 
 
 def _is_static(spec: QuantSpec, qp: QParams) -> bool:
@@ -291,6 +308,8 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     shape = tuple(qt.shape)
     if qt.codes.numel() == 0:
         return torch.empty(shape, dtype=qt.dtype)
+    if spec.fmt.whole_tensor:
+        return spec.fmt.dequantize_tensor(qt)
     if qt.outlier_values is not None:
         dense = dataclasses.replace(qt, spec=dataclasses.replace(spec, outliers=0.0), outlier_values=None,
                                     outlier_index=None)
@@ -329,7 +348,7 @@ def fake_quantize(
     spec = spec.resolved(x.dtype)
     if x.numel() == 0:
         return x.clone()
-    if qparams is not None or spec.outliers:
+    if qparams is not None or spec.outliers or spec.fmt.whole_tensor:
         return dequantize(quantize(x, spec, qparams, channel_block=channel_block))
     shape = tuple(x.shape)
     fmt = spec.fmt
@@ -348,7 +367,8 @@ def packed_nbytes(
     head_dim (ceil(D*bits/8) for integer codes), scales and zero points in their dtypes (int zero points 1 byte,
     `spec.fmt.param_nbytes`); `dtype` is the element type for format 'none' and for outlier values (k per row,
     each with a 1-byte index, 2 bytes when D > 256), and the scale dtype of a ``model`` spec. `static`: calibrated parameters (a channel spec then has
-    one scale per channel and head: [1, H, 1, D]).
+    one scale per channel and head: [1, H, 1, D]; a 'nuq' spec adds its codebook). A whole-tensor format counts
+    its own (`QuantFormat.tensor_nbytes`).
 
     Worked: int4 g64 asym, [1, 8, 4096, 128]: codes 32768 rows * 64 B = 2097152; scales: 32768*2 groups *
     (2 B fp16 scale + 2 B fp16 min) = 262144; total 2359296 (vs 8388608 in fp16: 3.56x smaller).
@@ -363,6 +383,8 @@ def packed_nbytes(
     spec = spec.resolved(dtype)
     spec.check_head_dim(D)
     fmt, gran = spec.fmt, spec.gran
+    if fmt.whole_tensor:
+        return fmt.tensor_nbytes(spec, (B, H, T, D), dtype, static)
     codes = B * H * T * fmt.row_nbytes(spec, D)
     if static and gran.calibratable:
         groups = math.prod(gran.static_scale_shape(H, D))

@@ -12,7 +12,8 @@ types, or one registered from outside) and its granularity (`spec.gran`, `kveval
   fields must then match `GGML_TYPES` (use `preset("q4_0")` rather than spelling them out).
 - outliers = p (dense-and-sparse, KVQuant): in every head_dim vector the k = ceil(p * head_dim) largest magnitudes
   are kept exactly (value in the tensor's dtype + a uint8 index), set to 0 in the dense part, and the dense part is
-  quantized as above. Worked: p = 0.01, head_dim 64 -> k = 1 outlier per token row and head.
+  quantized as above. Worked: p = 0.01, head_dim 64 -> k = 1 outlier per token row and head. Format 'nuq'
+  (KVQuant's non-uniform codes, `formats/nuq.py`) reads p its own way: KVQuant's threshold outliers.
 - static scales: tensor, head and channel granularities can take fixed (calibrated) parameters instead of
   statistics (`qparams=` in `primitives`); a channel spec is then one scale per channel and head, for every token.
 - scale_dtype: float16 (default), bfloat16, float32, float64, or "model": the dtype of the tensor quantized (the
@@ -178,8 +179,8 @@ class QuantSpec:
     @property
     def calibratable(self) -> bool:
         """Whether static (calibrated) parameters apply: a format that takes them and granularity tensor, head or
-        channel."""
-        return not self.is_none and self.fmt.supports_static and self.gran.calibratable
+        channel, or a format that says so itself (`QuantFormat.takes_calibration`: ``nuq``'s calibrated codebook)."""
+        return not self.is_none and self.fmt.takes_calibration(self)
 
     def outlier_count(self, head_dim: int) -> int:
         """Outliers kept per head_dim vector: ``ceil(outliers * head_dim)`` (0 when ``outliers`` is 0)."""

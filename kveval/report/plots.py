@@ -566,6 +566,7 @@ def bits_per_layer(res: RunResults) -> Figure | None:
         n_layers = int(res.layers["layer"].max()) + 1
     if not n_layers:
         return None
+    sliding = tuple(arch.get("sliding_layers") or ())  # the run's model's sliding-window layers (memory.arch)
     mixed = {}
     for p in res.policies:
         cfg = res.policy_config(p)
@@ -573,7 +574,7 @@ def bits_per_layer(res: RunResults) -> Figure | None:
             pol = KVPolicy.from_config(cfg, name=p)
         except Exception:
             continue
-        if pol.layers:
+        if pol.layers or pol.skip_sliding:
             mixed[p] = pol
     if not mixed:
         return None
@@ -582,7 +583,7 @@ def bits_per_layer(res: RunResults) -> Figure | None:
     for ax, (p, pol) in zip(axes, mixed.items()):
         kb, vb = [], []
         for i in range(n_layers):
-            ks, vs = pol.specs_for_layer(i, n_layers)
+            ks, vs = pol.specs_for_layer(i, n_layers, sliding)
             kb.append(ks.code_bits)
             vb.append(vs.code_bits)
         x = np.arange(n_layers)
@@ -595,6 +596,80 @@ def bits_per_layer(res: RunResults) -> Figure | None:
         ax.legend(fontsize=8, ncol=2)
     axes[-1].set_xlabel("layer")
     fig.suptitle(f"{res.name}: bits per layer of mixed-precision policies")
+    return fig
+
+
+# ------------------------------------------------------------------------------------------- weights x KV
+
+
+def weights_x_kv(res: RunResults) -> Figure | None:
+    """Weights x KV cache, one point per (weight variant, KV policy), every effect against the FP model. Left and
+    middle: the combined effect (y) against the sum of the two single effects (x: weights alone + KV alone), KLD
+    (log-log when every value is positive) and ΔPPL %, with the diagonal y = x: above it, the combination is worse
+    than the sum. Right: the KLD excess (combined - sum) relative to the sum, with its 95% bootstrap interval.
+    Colour: weight variant; marker: KV policy. None when the run had no weight variants."""
+    from kveval.report.tables import weights_frame
+
+    df = weights_frame(res)
+    df = df[(df["policy"] != BASELINE) & df["kld_mean"].notna()].reset_index(drop=True)
+    if df.empty:
+        return None
+    fig = Figure(figsize=(15, 5.0), layout="constrained")
+    ax_k, ax_p, ax_e = fig.subplots(1, 3)
+    variants = list(dict.fromkeys(df["weights"]))
+    policies = list(dict.fromkeys(df["policy"]))
+    for ax, x_col, y_col, title, unit in (
+        (ax_k, "kld_sum", "kld_mean", "KLD", "mean KLD (nats/token)"),
+        (ax_p, "delta_ppl_pct_sum", "delta_ppl_pct", "ΔPPL", "ΔPPL vs FP model (%)"),
+    ):
+        xs, ys = df[x_col].astype(float), df[y_col].astype(float)
+        for _, r in df.iterrows():
+            vi, pi = variants.index(r["weights"]), policies.index(r["policy"])
+            ax.scatter(float(r[x_col]), float(r[y_col]), color=color(vi), marker=marker(pi), s=55,
+                       edgecolors="black", linewidths=0.6, zorder=3)
+        lo = float(min(xs.min(), ys.min()))
+        hi = float(max(xs.max(), ys.max()))
+        if ax is ax_k and _log_ok(list(xs) + list(ys)):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            lo, hi = lo / 1.5, hi * 1.5
+        else:
+            pad = 0.08 * (hi - lo or 1.0)
+            lo, hi = lo - pad, hi + pad
+        ax.plot([lo, hi], [lo, hi], color=BASELINE_COLOR, ls="--", lw=1, label="both = W + KV (additive)")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_xlabel(f"weights alone + KV alone: {unit}")
+        ax.set_ylabel(f"weights and KV together: {unit}")
+        ax.set_title(f"{title}: above the diagonal = worse than the sum", fontsize=10)
+        ax.grid(True, alpha=0.3, which="both")
+    # the KLD excess relative to the sum, with its interval: > 0 is worse than the sum
+    sums = df["kld_sum"].astype(float).where(df["kld_sum"].astype(float) > 0)
+    rel = 100 * df["kld_excess"].astype(float) / sums
+    lo_e = 100 * df["kld_excess_ci95_lo"].astype(float) / sums
+    hi_e = 100 * df["kld_excess_ci95_hi"].astype(float) / sums
+    y = np.arange(len(df))[::-1]
+    for i, r in df.iterrows():
+        if not np.isfinite(rel[i]):
+            continue
+        vi, pi = variants.index(r["weights"]), policies.index(r["policy"])
+        err = [[max(rel[i] - lo_e[i], 0)], [max(hi_e[i] - rel[i], 0)]] if np.isfinite(lo_e[i]) else None
+        ax_e.errorbar(rel[i], y[i], xerr=err, fmt=marker(pi), color=color(vi), mec="black", mew=0.6, ms=7,
+                      capsize=3, zorder=3)
+    ax_e.axvline(0, color=BASELINE_COLOR, ls="--", lw=1)
+    ax_e.set_yticks(y, [f"{w} × {p}" for w, p in zip(df["weights"], df["policy"])], fontsize=8)
+    ax_e.set_xlabel("KLD excess: (both − (W + KV)) / (W + KV), %")
+    ax_e.set_title("KLD excess, 95% interval: > 0 = worse than the sum", fontsize=10)
+    ax_e.grid(True, axis="x", alpha=0.3)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=color(i), marker="o", ls="", mec="black", label=f"weights {v}")
+               for i, v in enumerate(variants)]
+    handles += [Line2D([], [], color="#BBBBBB", marker=marker(i), ls="", mec="black", label=f"KV {p}")
+                for i, p in enumerate(policies)]
+    handles += ax_k.get_legend_handles_labels()[0]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 7), fontsize=8)
+    fig.suptitle(f"{res.name}: quantized weights × quantized KV cache, every effect against the FP model")
     return fig
 
 
@@ -612,5 +687,5 @@ RUN_PLOTS = {
 
 __all__ = [
     "quality_vs_memory", "policy_bars", "by_position", "memory_bars", "layer_errors", "needle_heatmaps",
-    "sensitivity_heatmap", "bits_per_layer", "pareto_front", "save", "RUN_PLOTS", "OKABE_ITO",
+    "sensitivity_heatmap", "bits_per_layer", "weights_x_kv", "pareto_front", "save", "RUN_PLOTS", "OKABE_ITO",
 ]

@@ -42,6 +42,9 @@ CAPTIONS = {
     "needle_grid": "Needle retrieval accuracy by context length and needle depth, and its difference from the baseline.",
     "sensitivity_grid": "Per-layer sensitivity: KLD when only one layer's keys or values are quantized.",
     "bits_per_layer": "Bits per layer of the mixed-precision policies.",
+    "weights_x_kv": "Quantized weights × quantized KV cache: the combined effect against the sum of the two "
+                    "single effects (weights alone + KV alone), one point per (weight variant, KV policy), every "
+                    "effect against the FP model; above the dashed diagonal the combination is worse than the sum.",
 }
 
 
@@ -192,6 +195,7 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
         b.append(Block("table", tables.task_entry_table(r, str(label)),
                        caption=f"The policies under {label} alone, against the same threshold (a later entry of a "
                                "task kind already in the config; the tables above are the first entry's)"))
+    b.extend(_weights_blocks(r, out, prefix, sub))
     planned = tables.plan_table(r)
     if not planned.empty:
         plan = r.metrics["plan"]
@@ -219,6 +223,43 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
              "# rebuild this report", f"kveval report {r.path}"]
     b.append(Block("code", "\n".join(lines)))
     return b
+
+
+def _weights_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block]:
+    """The weights x KV section (runs with ``model.weights``): which weights, the interaction table, its figure."""
+    wx = tables.weights_table(r)
+    if wx.empty:
+        return []
+    section = (r.metrics.get("weights") or {})
+    ref = (section.get("reference") or {}).get("weights") or "the checkpoint's weights"
+    items = []
+    for vname, v in (section.get("variants") or {}).items():
+        info = (v or {}).get("info") or {}
+        nb, fp = v.get("weight_bytes"), v.get("weight_bytes_fp16")
+        size = f"; weights {_bytes(nb)} instead of {_bytes(fp)} in FP16" if nb and fp else ""
+        items.append(f"{vname}: {info.get('describe', '?')} on {', '.join(info.get('modules_quantized') or [])}"
+                     f" ({info.get('matrices', '?')} matrices, {int(info.get('params_quantized') or 0):,} of "
+                     f"{int(info.get('params_total') or 0):,} parameters, {_g(info.get('bits_per_weight'))} bits "
+                     f"per weight with scales{size})" + (f"; {'; '.join(info['notes'])}" if info.get("notes") else ""))
+    b = [Block("h", "Weights × KV cache", level),
+         Block("p", f"Reference (the FP model): {ref} with a full-precision cache. Every effect below is measured "
+                    "against it on the same tokens: W = the quantized weights with a full-precision cache, KV = the "
+                    "KV policy on the reference weights, both = the quantized weights with the KV policy. "
+                    "'Worse than sum': both > W + KV (* when the 95% bootstrap interval of the excess excludes "
+                    "0). Weight variants:"),
+         Block("ul", items),
+         Block("table", wx, caption="Weights × KV cache (ΔPPL % and KLD against the FP model; max batch at the "
+                                    "run's context beside the variant's weights)")]
+    fig = plots.weights_x_kv(r)
+    if fig is not None:
+        b.append(_img(fig, out, prefix + "weights_x_kv", CAPTIONS["weights_x_kv"], alt="Weights x KV cache"))
+    return b
+
+
+def _bytes(n) -> str:
+    from kveval.memory import format_bytes
+
+    return format_bytes(n) if _ok(n) else "?"
 
 
 def _task_words(r: RunResults, label: str) -> str:
@@ -439,6 +480,7 @@ def reading_of(r: RunResults) -> list[str]:
         parts = [f"{p} {a:.2f}" for p, a in q["needle_accuracy"].dropna().items()]
         out.append("Needle retrieval accuracy: " + (f"baseline {base_acc:.2f}, " if _ok(base_acc) else "")
                    + ", ".join(parts) + ".")
+    out.extend(_weights_reading(r))
     if not r.sensitivity.empty and r.sensitivity["kld"].notna().any():
         sc = r.sensitivity.dropna(subset=["kld"]).sort_values("kld", ascending=False)
         top = [f"layer {int(c['layer'])} {c['tensor']}s ({c['spec']}, KLD {_g(c['kld'])})" for _, c in
@@ -449,6 +491,28 @@ def reading_of(r: RunResults) -> list[str]:
             kv = (f"; averaged over layers, quantizing keys costs {_g(means['key'])} KLD and values "
                   f"{_g(means['value'])}")
         out.append("Most sensitive in the scan: " + "; ".join(top) + kv + ".")
+    return out
+
+
+def _weights_reading(r: RunResults) -> list[str]:
+    """One sentence per weight variant: its effect alone, and for how many KV policies the combination's KLD is
+    worse than the sum of the two single effects (significantly: the 95% interval of the excess above 0)."""
+    df = tables.weights_frame(r)
+    out = []
+    for vname, g in df.groupby("weights", sort=False):
+        alone = g[g["policy"] == BASELINE]
+        pairs = g[(g["policy"] != BASELINE) & g["kld_excess"].notna()]
+        if alone.empty or pairs.empty:
+            continue
+        a = alone.iloc[0]
+        worse = pairs[pairs["kld_worse_than_sum"] == True]  # noqa: E712 - an object column of bools
+        sure = worse[worse["kld_interaction"] == "superadditive"]
+        top = pairs.loc[pairs["kld_excess"].astype(float).idxmax()]
+        out.append(f"Weights {vname} alone cost ΔPPL {a['delta_ppl_pct']:+.2f}% (KLD {_g(a['kld_mean'])}); with a "
+                   f"quantized cache the KLD is worse than the sum of the two effects for {len(worse)} of "
+                   f"{len(pairs)} policies ({len(sure)} beyond the 95% interval); the largest excess is "
+                   f"{top['policy']}'s, {float(top['kld_excess']):+.3g} ({_g(top['kld_sum'])} expected, "
+                   f"{_g(top['kld_mean'])} measured).")
     return out
 
 

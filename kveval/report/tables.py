@@ -101,10 +101,102 @@ def memory_table(res: RunResults) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+#: Columns of :func:`weights_frame` (``tables/weights_x_kv.csv``): one row per (weight variant, KV policy), the
+#: variant with the full-precision cache first (policy ``baseline``); metrics.json's ``weights`` fields.
+WEIGHTS_COLUMNS = [
+    "run", "weights", "policy", "weight_spec", "modules_quantized", "params_quantized", "bits_per_weight",
+    "weight_bytes", "weight_bytes_fp16", "ppl", "delta_ppl_pct", "kld_mean", "top1_agree",
+    "weights_delta_ppl_pct", "kv_delta_ppl_pct", "delta_ppl_pct_sum", "delta_ppl_pct_excess",
+    "delta_ppl_pct_excess_ci95_lo", "delta_ppl_pct_excess_ci95_hi", "delta_ppl_interaction",
+    "delta_ppl_worse_than_sum", "weights_kld_mean", "kv_kld_mean", "kld_sum", "kld_excess", "kld_excess_ci95_lo",
+    "kld_excess_ci95_hi", "kld_interaction", "kld_worse_than_sum", "kv_on_weights_kld_mean",
+    "kv_on_weights_delta_ppl_pct", "max_batch", "verdict",
+]
+
+
+def weights_frame(res: RunResults) -> pd.DataFrame:
+    """The weights x KV interaction of a run (``metrics["weights"]``) as numbers: one row per (weight variant, KV
+    policy), ``WEIGHTS_COLUMNS``; the row of policy ``baseline`` is the variant with the full-precision cache (the
+    weight effect alone: ``delta_ppl_pct``, ``kld_mean``; the interaction columns empty). Empty when the run had no
+    weight variants."""
+    variants = ((res.metrics or {}).get("weights") or {}).get("variants") or {}
+    rows = []
+    for vname, v in variants.items():
+        if not isinstance(v, dict):
+            continue
+        info = v.get("info") or {}
+        common = {"run": res.name, "weights": vname, "weight_spec": info.get("describe"),
+                  "modules_quantized": ", ".join(info.get("modules_quantized") or []),
+                  "params_quantized": info.get("params_quantized"), "bits_per_weight": info.get("bits_per_weight"),
+                  "weight_bytes": v.get("weight_bytes"), "weight_bytes_fp16": v.get("weight_bytes_fp16")}
+        alone = v.get("alone") or {}
+        rows.append({**common, "policy": BASELINE, **{k: alone.get(k) for k in (
+            "ppl", "delta_ppl_pct", "kld_mean", "top1_agree", "max_batch", "verdict")},
+            "weights_delta_ppl_pct": alone.get("delta_ppl_pct"), "weights_kld_mean": alone.get("kld_mean")})
+        for pname, m in (v.get("policies") or {}).items():
+            m = m or {}
+            row = {**common, "policy": pname}
+            for col in WEIGHTS_COLUMNS:
+                if col not in row and col in m:
+                    row[col] = m[col]
+            for name in ("delta_ppl_pct_excess", "kld_excess"):
+                ci = m.get(f"{name}_ci95") or [None, None]
+                row[f"{name}_ci95_lo"], row[f"{name}_ci95_hi"] = ci[0], ci[1] if len(ci) > 1 else None
+            rows.append(row)
+    return pd.DataFrame(rows, columns=WEIGHTS_COLUMNS)
+
+
+def weights_table(res: RunResults) -> pd.DataFrame:
+    """The readable weights x KV table: per (weight variant, KV policy) the weight effect (W), the KV effect on the
+    checkpoint's weights (KV), the combined effect, their sum and the excess with its 95% interval, for ΔPPL %
+    and KLD, and whether the combination is worse than the sum (``yes*``: the interval excludes 0)."""
+    df = weights_frame(res)
+    rows = []
+    for _, r in df.iterrows():
+        alone = r["policy"] == BASELINE
+        worse = {k: "" if alone else _worse(r[f"{k}_worse_than_sum"], r[f"{k}_interaction"]) for k in ("delta_ppl", "kld")}
+        ci = {k: "" if alone else _with_ci(r, k, spec) for k, spec in (("delta_ppl_pct_excess", "+.2f"),
+                                                                       ("kld_excess", "+.3g"))}
+        rows.append({
+            "weights": r["weights"], "KV": "fp16 (FP cache)" if alone else r["policy"],
+            "bits/weight": _f(r["bits_per_weight"], ".2f"),
+            "ΔPPL % W": _f(r["weights_delta_ppl_pct"], "+.2f"),
+            "ΔPPL % KV": "" if alone else _f(r["kv_delta_ppl_pct"], "+.2f"),
+            "ΔPPL % both": "" if alone else _f(r["delta_ppl_pct"], "+.2f"),
+            "ΔPPL % W+KV": "" if alone else _f(r["delta_ppl_pct_sum"], "+.2f"),
+            "ΔPPL % excess [95% CI]": ci["delta_ppl_pct_excess"],
+            "ΔPPL worse than sum": worse["delta_ppl"],
+            "KLD W": _g(r["weights_kld_mean"]),
+            "KLD KV": "" if alone else _g(r["kv_kld_mean"]),
+            "KLD both": "" if alone else _g(r["kld_mean"]),
+            "KLD W+KV": "" if alone else _g(r["kld_sum"]),
+            "KLD excess [95% CI]": ci["kld_excess"],
+            "KLD worse than sum": worse["kld"],
+            "max batch": _f(r["max_batch"], ".0f"),
+        })
+    return pd.DataFrame(rows)
+
+
+def _worse(flag, word) -> str:
+    """``yes`` / ``no`` for "worse than the sum", ``*`` when the interval of the excess excludes 0."""
+    if flag is None or not _ok(flag):
+        return ""
+    return ("yes" if bool(flag) else "no") + ("*" if word in ("superadditive", "subadditive") else "")
+
+
+def _with_ci(r, name: str, spec: str) -> str:
+    """``r[name]`` with its 95% interval (``name_ci95_lo`` / ``_hi``), formatted by ``spec``."""
+    if not _ok(r[name]):
+        return ""
+    lo, hi = r[f"{name}_ci95_lo"], r[f"{name}_ci95_hi"]
+    return _f(r[name], spec) + (f" [{_f(lo, spec)}, {_f(hi, spec)}]" if _ok(lo) and _ok(hi) else "")
+
+
 def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
     """Write ``summary.csv``, ``positions.csv``, ``layers.csv``, ``memory.csv`` and, when present,
-    ``needle.csv``, ``sensitivity.csv`` and ``task_entries.csv`` (the later entries of a repeated task kind, one
-    row per entry and policy) (all runs concatenated, a ``run`` column first); returns name -> path."""
+    ``needle.csv``, ``sensitivity.csv``, ``task_entries.csv`` (the later entries of a repeated task kind, one
+    row per entry and policy) and ``weights_x_kv.csv`` (:func:`weights_frame`) (all runs concatenated, a ``run``
+    column first); returns name -> path."""
     tables_dir = Path(tables_dir)
     tables_dir.mkdir(parents=True, exist_ok=True)
     out = {}
@@ -116,9 +208,10 @@ def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
         "needle": pd.concat([r.needle for r in runs], ignore_index=True),
         "sensitivity": pd.concat([r.sensitivity for r in runs], ignore_index=True),
         "task_entries": task_entries(runs),
+        "weights_x_kv": pd.concat([weights_frame(r) for r in runs], ignore_index=True),
     }
     for name, df in frames.items():
-        if df.empty and name in ("needle", "sensitivity", "task_entries"):
+        if df.empty and name in ("needle", "sensitivity", "task_entries", "weights_x_kv"):
             continue
         path = tables_dir / f"{name}.csv"
         atomic_write_text(path, csv_safe(df).to_csv(index=False))
@@ -223,7 +316,7 @@ def _f(v, spec: str, prefix: str = "", suffix: str = "") -> str:
 
 
 __all__ = ["summary", "verdict_table", "task_entries", "task_entry_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
-           "md_cell", "csv_safe", "csv_safe_cell"]
+           "md_cell", "csv_safe", "csv_safe_cell", "weights_frame", "weights_table", "WEIGHTS_COLUMNS"]
 
 
 def plan_table(res: RunResults) -> pd.DataFrame:

@@ -10,7 +10,8 @@ Schema (docs/design.md section 4; the README's "Results" section lists every fie
   resolved config differs is refused unless ``overwrite``. Written atomically.
 * ``env.json`` (:data:`ENV_FILE`): ``python``, ``platform``, ``torch``, ``transformers``, ``kveval``,
   ``git_commit``, ``device``, ``cuda_device``, ``threads``, ``argv``, ``config_path``, ``command``, ``started``
-  and ``finished`` (ISO 8601, UTC; ``finished`` null while the run works). Written atomically.
+  and ``finished`` (ISO 8601, UTC; ``finished`` null while the run works); ``weights`` (the reference and each
+  variant's ``info``) for a run with ``model.weights``. Written atomically.
 * ``records.jsonl`` (:data:`RECORDS_FILE`): one JSON object per unit of work (perplexity window x policy, needle
   trial x policy, scan window x cell, lm-eval task x policy), each with a unique ``key`` and its ``task``;
   appended and flushed as each completes, so a rerun skips the recorded keys (resume). A torn last line is
@@ -22,11 +23,18 @@ Schema (docs/design.md section 4; the README's "Results" section lists every fie
        "policies": {POLICY: {FIELD: value}},    # in the config's order
        "memory": {"arch": {...}, "context": N, "gpu_memory": ...},
        "sensitivity": {...}, "plan": {...},     # only after a scan / for a planned config
+       "weights": {"reference": {...}, "variants": {VARIANT: {"info", "weight_bytes", "alone", "policies"}}},
+                                                # only with model.weights (weights x KV cache)
        "tasks": {"tasks[i]": {"kind": KIND, "baseline": {...}, "policies": {...}}}}  # TASK_ENTRIES, see below
 
   Per policy: perplexity (``ppl``, ``delta_ppl_pct``, ``kld_mean``, ``kld_ci95``, ``top1_agree``,
   ``*_by_position``, ``layer_errors``, ``verdict``...), memory (``bytes_per_token``, ``compression_vs_fp16``,
-  ``bits_per_element``, ``max_batch``), needle (``needle_accuracy``, ``needle_cells``...), ``lm_eval``. Renaming a
+  ``bits_per_element``, ``max_batch``), needle (``needle_accuracy``, ``needle_cells``...), ``lm_eval``. Per weight
+  variant (``weights.variants.VARIANT``): ``info`` (spec, module groups, matrices, ``params_quantized``, stored
+  bytes), ``alone`` (the weight effect, the fields of a policy) and per policy the combined effect with the
+  interaction fields (``kv_*``, ``weights_*``, ``*_sum``, ``*_excess`` and ``*_excess_ci95``, ``*_interaction``,
+  ``*_worse_than_sum``, ``kv_on_weights_*``; README "Results"); their records carry ``weights: VARIANT`` and the
+  key ``perplexity/w{i}/weights/{VARIANT}/{policy}``. Renaming a
   field is a breaking change. The first task entry of each kind reports at the top level; a later entry of the
   same kind (two perplexity tasks with different windows) reports its own fields under ``tasks`` (its label,
   ``tasks[i]``, also prefixes its record keys), so that two entries never share a field or a key.

@@ -5,6 +5,23 @@ scored by the previous window are scored). For each window the FP baseline runs 
 under ``emulate`` (every token decoded through the quantized cache unless ``prefill_tokens`` > 0). Metrics are
 reduced on the fly: one record per (window, policy) in ``records.jsonl``, full logits are never stored.
 
+Error against context length: ``loss_by_position`` / ``kld_by_position`` are the mean NLL / KLD in
+``position_bins`` equal bins of absolute positions in the window, edges ``position_bin_edges`` over
+``[0, seq_len)``: the logits at position ``t`` predict token ``t + 1`` with ``t + 1`` tokens in the cache (every
+window starts an empty cache), so a policy whose error grows with the number of cached tokens shows a rising
+``kld_by_position``. Windows up to the model's context are supported (8192 tokens on the builtin model); the
+logits are compared ``COMPARE_ROWS`` rows at a time and emulation builds no ``[T, T]`` mask.
+
+Weight variants (``model.weights``: ``ctx.weights``, prepared by :mod:`kveval.weights.apply`): each window is also
+scored with each variant's quantized weights, with the full-precision cache and under every policy, all against the
+same FP baseline (the checkpoint's weights, full-precision cache). Their records carry ``weights: VARIANT`` and the
+key ``perplexity/w{window}/weights/{VARIANT}/{policy}`` (``policy`` ``baseline``: the variant with the
+full-precision cache), so they resume like the others; a combined record also holds the KLD and top-1 agreement of
+the policy against the variant's own full-precision-cache logits (the KV effect measured on quantized weights).
+``aggregate`` adds ``metrics["weights"]``: per variant the weight effect alone and, per policy, the combined effect
+with the interaction fields of :func:`kveval.weights.interaction_fields`. The noise floor and the per-layer
+diagnostics are measured on the checkpoint's weights only.
+
 NaN or infinity in the logits stops the run with one line before that window's records are written (metrics are
 never NaN): in the baseline's logits it is the model's fault (overflowing weights or activations, e.g. float16),
 in a policy's logits (or in the keys/values its quantizer is given) the quantizer's or the emulation's. The noise
@@ -65,6 +82,11 @@ def _noise_key(window: int, policy: str) -> str:
     return f"perplexity/noise/w{window}/{policy}"
 
 
+def _weights_key(window: int, variant: str, policy: str) -> str:
+    """The record of ``policy`` (``baseline``: the full-precision cache) on weight variant ``variant``."""
+    return f"perplexity/w{window}/weights/{variant}/{policy}"
+
+
 def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, params: Params) -> dict:
     rec = {
         "key": _record_key(window.index, policy),
@@ -96,6 +118,19 @@ def check(ctx, params: Params) -> None:
                           f"one window of seq_len {params.seq_len}")
 
 
+#: rows of logits compared at once: compare_logits holds a few float64 copies of its [rows, vocab] inputs, so an
+#: 8k-token window of a 49k vocabulary is compared in slices (the same numbers, row by row) instead of ~13 GB at once
+COMPARE_ROWS = 512
+
+
+def _compare(base: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``compare_logits`` over ``[n, vocab]`` inputs, ``COMPARE_ROWS`` rows at a time (per-row metrics: identical to
+    one call)."""
+    parts = [compare_logits(base[i:i + COMPARE_ROWS], logits[i:i + COMPARE_ROWS], targets[i:i + COMPARE_ROWS])
+             for i in range(0, base.shape[0], COMPARE_ROWS)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
 def _where(window, offset: int) -> str:
     return f"window {window.index} (corpus tokens {window.start + offset}-{window.end + offset})"
 
@@ -114,21 +149,29 @@ def run(ctx, params: Params) -> dict:
     tokens = ctx.tokens()[params.start_token:]
     windows = list(token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens))
     names = [BASELINE, *ctx.policies]
+    variants = getattr(ctx, "weights", None) or {}
     done = ctx.run.done_keys()
-    todo = [w for w in windows if any(_record_key(w.index, n) not in done for n in names)]
+
+    def window_keys(index: int) -> list[str]:
+        return [_record_key(index, n) for n in names] + [_weights_key(index, v, n) for v in variants for n in names]
+
+    todo = [w for w in windows if any(k not in done for k in window_keys(w.index))]
     if len(todo) < len(windows):
         ctx.progress.log(f"perplexity: resuming, {len(windows) - len(todo)} of {len(windows)} windows already recorded")
 
     model = ctx.model
-    with ctx.progress.task("perplexity", total=len(todo) * len(names), unit="tok") as advance:
+    total = len(todo) * len(names) * (1 + len(variants))
+    with ctx.progress.task("perplexity", total=total, unit="tok") as advance:
         for w in todo:
             ids = w.input_ids.to(model.device)
             targets = ids[1:]
-            # logits positions whose next token is scored (window.score_from indexes the first scored target)
+            # logits positions whose next token is scored (window.score_from indexes the first scored target): the
+            # position in the window, i.e. the tokens the cache holds before the prediction, minus one
             scored = torch.arange(w.score_from - 1, len(ids) - 1, device=ids.device)
+            rows = slice(w.score_from - 1, len(ids) - 1)  # the same rows, as a view (no copy of [n, vocab] logits)
             with torch.no_grad():
                 base = _metric(model(ids[None]).logits[0, :-1])
-            base_scored = base[scored]
+            base_scored = base[rows]
             _check_finite(base_scored, w, BASELINE, ctx.cfg.model.dtype, params.start_token)
             tgt = targets[scored]
             for name in names:
@@ -138,15 +181,16 @@ def run(ctx, params: Params) -> dict:
                     continue
                 diag = None
                 if name == BASELINE:
-                    metrics = compare_logits(base_scored, base_scored, tgt)
+                    metrics = _compare(base_scored, base_scored, tgt)
                 else:
                     policy = ctx.policies[name]
                     with finite_quantizer_inputs(_where(w, params.start_token), f"policy '{name}'"):
                         with emulate(model, policy, prefill_len=params.prefill_tokens,
                                      diagnostics=params.diagnostics) as emu, torch.no_grad():
                             logits = _metric(model(ids[None]).logits[0, :-1])
-                    _check_finite(logits[scored], w, name, ctx.cfg.model.dtype, params.start_token)
-                    metrics = compare_logits(base_scored, logits[scored], tgt)
+                    _check_finite(logits[rows], w, name, ctx.cfg.model.dtype, params.start_token)
+                    metrics = _compare(base_scored, logits[rows], tgt)
+                    del logits
                     diag = emu.diagnostics() if params.diagnostics else None
                     layers_quantized = emu.layers_quantized
                 rec = _window_record(w, name, {k: v.cpu() for k, v in metrics.items()}, scored.cpu(), params)
@@ -155,8 +199,54 @@ def run(ctx, params: Params) -> dict:
                     rec["layer_errors"] = diag
                 ctx.run.append(rec)
                 advance(len(ids))
+            for vname, variant in variants.items():
+                _weight_variant_window(ctx, params, w, vname, variant, base_scored, scored, tgt, names, done,
+                                       advance)
     _noise_floor(ctx, params, windows[: params.noise_windows], names)
-    return aggregate(ctx.run.records(), list(ctx.policies), params, seed=ctx.cfg.seed, threshold=ctx.cfg.threshold)
+    return aggregate(ctx.run.records(), list(ctx.policies), params, seed=ctx.cfg.seed, threshold=ctx.cfg.threshold,
+                     weights=list(variants))
+
+
+def _weight_variant_window(ctx, params: Params, w, vname: str, variant, base_scored: torch.Tensor,
+                           scored: torch.Tensor, tgt: torch.Tensor, names: list[str], done, advance) -> None:
+    """One window under weight variant ``vname``: the variant with the full-precision cache, then with each policy,
+    every one against the FP baseline's logits ``base_scored`` ``[n_scored, vocab]``; records not yet in ``done``
+    are appended (the variant's weights are swapped in once for the window and restored on exit)."""
+    from kveval.patch import emulate
+
+    keys = {n: _weights_key(w.index, vname, n) for n in names}
+    if all(k in done for k in keys.values()):
+        advance(0)
+        return
+    model = ctx.model
+    ids = w.input_ids.to(model.device)
+    where = _where(w, params.start_token)
+    who = f"weight variant '{vname}'"
+    with variant.applied(model), torch.no_grad():
+        with finite_quantizer_inputs(where, who):
+            wlogits = _metric(model(ids[None]).logits[0, :-1])[scored]
+        check_finite_logits(wlogits, where=where, dtype=ctx.cfg.model.dtype, quantized_by=who)
+        for name in names:
+            if keys[name] in done:
+                advance(0)
+                continue
+            extra = {}
+            if name == BASELINE:
+                metrics = compare_logits(base_scored, wlogits, tgt)
+            else:
+                who_both = f"weight variant '{vname}' with policy '{name}'"
+                with finite_quantizer_inputs(where, who_both):
+                    with emulate(model, ctx.policies[name], prefill_len=params.prefill_tokens):
+                        logits = _metric(model(ids[None]).logits[0, :-1])[scored]
+                check_finite_logits(logits, where=where, dtype=ctx.cfg.model.dtype, quantized_by=who_both)
+                metrics = compare_logits(base_scored, logits, tgt)
+                on_weights = compare_logits(wlogits, logits, tgt)  # the KV effect measured on quantized weights
+                extra = {"kld_vs_weights_sum": float(on_weights["kld"].sum()),
+                         "agree_vs_weights_sum": float(on_weights["agree"].sum())}
+            rec = _window_record(w, name, {k: v.cpu() for k, v in metrics.items()}, scored.cpu(), params)
+            rec.update(key=keys[name], weights=vname, **extra)
+            ctx.run.append(rec)
+            advance(len(ids))
 
 
 def _noise_floor(ctx, params: Params, windows: list, names: list[str]) -> None:
@@ -293,12 +383,17 @@ def verdict(s: dict, threshold) -> str:
     return "pass" if ok else "fail"
 
 
-def aggregate(records: list[dict], policies: list[str], params: Params, *, seed: int, threshold) -> dict:
-    """metrics.json's perplexity fields from the records (pure: the same records give the same metrics)."""
+def aggregate(records: list[dict], policies: list[str], params: Params, *, seed: int, threshold,
+              weights: list[str] | None = None) -> dict:
+    """metrics.json's perplexity fields from the records (pure: the same records give the same metrics);
+    ``weights``: the weight variants, whose records (``weights: VARIANT``) make ``metrics["weights"]``."""
     by_policy: dict[str, list[dict]] = {}
+    by_variant: dict[str, dict[str, list[dict]]] = {}
     noise: dict[str, list[dict]] = {}
     for rec in records:
-        if rec.get("task") == "perplexity":
+        if rec.get("task") == "perplexity" and rec.get("weights") is not None:
+            by_variant.setdefault(rec["weights"], {}).setdefault(rec["policy"], []).append(rec)
+        elif rec.get("task") == "perplexity":
             by_policy.setdefault(rec["policy"], []).append(rec)
         elif rec.get("task") == "perplexity_noise":
             noise.setdefault(rec["policy"], []).append(rec)
@@ -313,5 +408,54 @@ def aggregate(records: list[dict], policies: list[str], params: Params, *, seed:
         s["delta_ppl_pct"] = 100.0 * s["delta_ppl"] / base["ppl"]
         s.update(_noise_summary(noise.get(name, [])))
         s["verdict"] = verdict(s, threshold)
+        out["policies"][name] = s
+    if weights:
+        out["weights"] = {"variants": {
+            v: _variant_summary(by_variant.get(v, {}), by_policy, policies, base, params, seed=seed,
+                                threshold=threshold) for v in weights}}
+    return out
+
+
+_PER_LAYER = ("layers_quantized", "layer_errors", "key_rel_mse_mean", "value_rel_mse_mean",
+              "key_rel_mse_worst_layer", "value_rel_mse_worst_layer")
+
+
+def _window_sums(records: list[dict], kld_field: str = "kld_sum"):
+    from kveval.weights import WindowSums
+
+    records = sorted(records, key=lambda r: r["window"])
+    return WindowSums([r["n_tokens"] for r in records], [r["nll_sum"] for r in records],
+                      [r.get(kld_field, 0.0) if kld_field else 0.0 for r in records])
+
+
+def _variant_summary(records: dict[str, list[dict]], by_policy: dict[str, list[dict]], policies: list[str],
+                     base: dict, params: Params, *, seed: int, threshold) -> dict:
+    """One weight variant's metrics: ``alone`` (quantized weights, full-precision cache, against the FP
+    baseline) and ``policies`` (quantized weights and cache, against the FP baseline, with ``kv_on_weights_*``:
+    the policy against the variant with the full-precision cache, and the interaction fields)."""
+    from kveval.weights import interaction_fields
+
+    def against_base(recs: list[dict]) -> dict:
+        s = _summarise(recs, params, seed)
+        for k in _PER_LAYER:
+            s.pop(k, None)
+        s["delta_ppl"] = s["ppl"] - base["ppl"]
+        s["delta_ppl_pct"] = 100.0 * s["delta_ppl"] / base["ppl"]
+        s["verdict"] = verdict(s, threshold)
+        return s
+
+    alone = against_base(records[BASELINE])
+    out: dict = {"alone": alone, "policies": {}}
+    reference = _window_sums(by_policy[BASELINE], "")
+    weights_only = _window_sums(records[BASELINE])
+    for name in policies:
+        recs = records[name]
+        s = against_base(recs)
+        n = sum(r["n_tokens"] for r in recs)
+        s["kv_on_weights_kld_mean"] = sum(r["kld_vs_weights_sum"] for r in recs) / n
+        s["kv_on_weights_top1_agree"] = sum(r["agree_vs_weights_sum"] for r in recs) / n
+        s["kv_on_weights_delta_ppl_pct"] = 100.0 * (s["ppl"] / alone["ppl"] - 1.0)
+        s.update(interaction_fields(reference, _window_sums(by_policy[name]), weights_only, _window_sums(recs),
+                                    n_resamples=params.bootstrap, seed=seed))
         out["policies"][name] = s
     return out

@@ -38,6 +38,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "format plugins by name from pkgutil's listing of kveval/quant/formats/ itself",
     ("kveval/commands/parity.py", "dynamic_import"):
         "the parity module of a system from the constant SYSTEMS table (an unknown name is refused first)",
+    ("kveval/sweep/runner.py", "shell"):
+        "each sweep run is [sys.executable, '-m', 'kveval', 'run', CONFIG, '--quiet', *flags]: a list (no shell), "
+        "the interpreter's own path, a config file the sweep wrote, and the flags --overwrite / --allow-code",
 }
 
 

@@ -16,7 +16,11 @@ for group granularity; xv is in the compute dtype (`compute_dtype`: float32, flo
 
 Methods a format must implement: `code_bits`, `code_dtype`, `range_qparams`, `encode`, `decode`; optional:
 `validate`, `check_head_dim`, `fit` / `fake` (fused or faster paths, bit for bit with encode + decode), `pack` /
-`unpack` / `row_nbytes` (default: the `kveval.quant.packing` bitstream of `code_bits`-bit integers).
+`unpack` / `row_nbytes` (default: the `kveval.quant.packing` bitstream of `code_bits`-bit integers),
+`takes_calibration` (whether a scales file gives the spec parameters).
+A whole-tensor format (``whole_tensor = True``: statistics over all kv heads of a token, outliers chosen by
+thresholds, a calibrated codebook; 'nuq') instead implements `quantize_tensor` (x [B, H, T, D] -> `TensorParts`),
+`dequantize_tensor` and `tensor_nbytes`; `primitives` hands it the tensor and wraps what it returns.
 """
 
 from __future__ import annotations
@@ -47,10 +51,36 @@ NONFINITE = "non-finite values in input to quantize"
 @dataclass
 class QParams:
     """Scale (stored dtype, shape per granularity) and zero point: None (symmetric), the rounded group min in the
-    scale dtype (zero_point='float') or uint8 z (zero_point='int')."""
+    scale dtype (zero_point='float') or uint8 z (zero_point='int'). ``codebook``: a calibrated per-layer codebook
+    (float32 [2^bits], ascending) for the formats that take one (``nuq``), else None."""
 
     scale: torch.Tensor
     zero_point: torch.Tensor | None = None
+    codebook: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> QParams:
+        """The same parameters on ``device`` (every tensor moved, dtypes kept)."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return QParams(self.scale.to(device), move(self.zero_point), move(self.codebook))
+
+
+@dataclass
+class TensorParts:
+    """What a whole-tensor format (``QuantFormat.whole_tensor``) stores for x [B, H, T, D]; `primitives.quantize`
+    wraps it in a QuantizedTensor. ``codes`` [B, H, T, D] (``code_dtype``); ``scale`` / ``zero_point`` its
+    parameters in their storage dtype (shapes are the format's); ``static``: the parameters are fixed (calibrated)
+    and broadcast over the tokens (a cache keeps them once); ``outlier_values`` / ``outlier_index``: sparse
+    entries with tokens on dim 2; ``codebook``: per-layer parameters kept once whatever the tokens."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None = None
+    static: bool = False
+    outlier_values: torch.Tensor | None = None
+    outlier_index: torch.Tensor | None = None
+    codebook: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -108,6 +138,10 @@ class QuantFormat(ABC):
     spec_field: str = "format"
     supports_static: bool = True
     mappings: tuple[str, ...] = ("symmetric", "asymmetric")
+    #: the format quantizes x [B, H, T, D] as a whole (statistics across heads, data-dependent outliers: ``nuq``):
+    #: `primitives` then calls `quantize_tensor` / `dequantize_tensor` / `tensor_nbytes` instead of the
+    #: per-segment methods
+    whole_tensor: bool = False
 
     # ---- the spec -----------------------------------------------------------------------------------------
     def validate(self, spec: QuantSpec) -> None:
@@ -117,6 +151,11 @@ class QuantFormat(ABC):
         if spec.mapping not in self.mappings:
             allowed = " or ".join(map(repr, self.mappings))
             raise ValueError(f"QuantSpec.mapping must be {allowed} for format {self.name!r}; got {spec.mapping!r}")
+
+    def takes_calibration(self, spec: QuantSpec) -> bool:
+        """Whether a policy's scales file gives this spec fixed parameters (``QuantSpec.calibratable``; default: a
+        format that takes static parameters at granularity tensor, head or channel)."""
+        return self.supports_static and spec.gran.calibratable
 
     def check_head_dim(self, spec: QuantSpec, head_dim: int) -> None:
         """Raise ValueError (one line) when this format cannot quantize rows of head_dim elements (default: any
@@ -223,6 +262,21 @@ class QuantFormat(ABC):
         if spec.mapping == "asymmetric":
             n += 1 if spec.zero_point == "int" else n
         return n
+
+    # ---- whole-tensor formats (``whole_tensor = True``) ----------------------------------------------------
+    def quantize_tensor(self, x: torch.Tensor, spec: QuantSpec, qparams: QParams | None) -> TensorParts:
+        """What is stored for x [B, H, T, D] (finite input checked by the format; ``spec`` resolved)."""
+        raise NotImplementedError(f"format {self.name!r} is not a whole-tensor format")
+
+    def dequantize_tensor(self, qt) -> torch.Tensor:
+        """x^ [B, H, T, D] in ``qt.dtype`` from a `QuantizedTensor` this format's `quantize_tensor` produced."""
+        raise NotImplementedError(f"format {self.name!r} is not a whole-tensor format")
+
+    def tensor_nbytes(self, spec: QuantSpec, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                      static: bool) -> dict[str, int]:
+        """Exact bytes of what `quantize_tensor` stores for x of ``shape`` and element ``dtype``
+        (``{"codes", "scales", "outliers", "total"}``); ``static``: calibrated parameters were given."""
+        raise NotImplementedError(f"format {self.name!r} is not a whole-tensor format")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -81,8 +81,9 @@ def quantized_layer_count(model, policy: KVPolicy) -> int:
     """How many attention layers of ``model`` quantize K or V under ``policy`` (what the patches will count)."""
     from kveval.models import model_info
 
-    n = model_info(model)["num_layers"]
-    return sum(1 for i in range(n) if not all(s.is_none for s in policy.specs_for_layer(i, n)))
+    info = model_info(model)
+    n, sliding = info["num_layers"], info["sliding_layers"]
+    return sum(1 for i in range(n) if not all(s.is_none for s in policy.specs_for_layer(i, n, sliding)))
 
 
 @register_model("kveval")

@@ -1,0 +1,152 @@
+"""Read a sweep file and check every run it expands to, before anything starts.
+
+``load_sweep(path, overrides)`` reads the sweep file (strict YAML, closed schema), the config files it names,
+expands the grid (:func:`kveval.sweep.expand.expand`) and validates every run's config exactly as ``kveval run``
+does (:func:`kveval.config.validate` with the overrides, then :func:`kveval.config.check_inputs`). Any problem is
+one :class:`KvevalError` line naming the sweep file and the run; nothing is written.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from kveval.config import MAX_CONFIG_BYTES, ExperimentConfig, check_inputs, validate
+from kveval.errors import KvevalError
+from kveval.schema import load_yaml, read_text_file
+from kveval.sweep.expand import RunSpec, SweepFile, expand, with_placement
+
+
+@dataclass
+class PlannedRun:
+    """A run of the sweep, validated: its spec, the config (``cfg``), its resolved form (what
+    ``config.resolved.yaml`` of its folder will hold) and its folder."""
+
+    spec: RunSpec
+    cfg: ExperimentConfig
+    resolved: dict
+    folder: Path
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class SweepPlan:
+    """A checked sweep: the file it came from, its schema object, where it writes (``output``) and its runs."""
+
+    path: Path
+    sweep: SweepFile
+    output: Path
+    runs: list[PlannedRun] = field(default_factory=list)
+
+
+def _error_line(exc: ValidationError, root: type[BaseModel]) -> str:
+    """One line for a schema error of the sweep file: the path of the key, and "did you mean" for an unknown one."""
+    errors = exc.errors()
+    e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])  # a typo first, not what it hides
+    loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    where = ""
+    for part in loc:
+        where += f"[{part}]" if isinstance(part, int) else ("." if where else "") + str(part)
+    if e["type"] == "extra_forbidden":
+        valid = _fields_at(root, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else (f" (valid keys: {', '.join(valid)})" if valid else "")
+        return f"{where}: unknown key{hint}"
+    if e["type"] == "missing":
+        return f"{where}: required key is missing"
+    msg = e["msg"].removeprefix("Value error, ")
+    got = e.get("input")
+    shown = f" (got {got!r})" if got is not None and not isinstance(got, (dict, list)) else ""
+    return f"{where}: {msg}{shown}" if where else f"{msg}{shown}"
+
+
+def _fields_at(root: type[BaseModel], loc: tuple) -> list[str]:
+    import typing
+
+    classes = [root]
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        nxt = []
+        for cls in classes:
+            if part in cls.model_fields:
+                ann = cls.model_fields[part].annotation
+                stack = [ann]
+                while stack:
+                    a = stack.pop()
+                    if isinstance(a, type) and issubclass(a, BaseModel):
+                        nxt.append(a)
+                    stack.extend(typing.get_args(a))
+        classes = nxt
+    return sorted({f for cls in classes for f in cls.model_fields})
+
+
+def _read_mapping(path: str | Path, what: str) -> dict:
+    """A YAML file that must hold a mapping (a config), read as ``kveval run`` reads configs."""
+    text = read_text_file(path, what, max_bytes=MAX_CONFIG_BYTES)
+    data = load_yaml(text, str(path))
+    if not isinstance(data, dict):
+        raise KvevalError(f"{path}: expected a YAML mapping at the top level")
+    return data
+
+
+def load_sweep(path: str | Path, overrides: list[str] | None = None, *, allow_code: bool = False) -> SweepPlan:
+    """The checked sweep of ``path``: every run expanded and validated like ``kveval run CONFIG -s ...``
+    (``overrides``: applied to every run after the sweep's own ``set``). KvevalError (one line) otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise KvevalError(f"sweep file '{path}' does not exist (configs/sweep_example.yaml is an example)")
+    raw = load_yaml(read_text_file(path, "sweep file", max_bytes=MAX_CONFIG_BYTES), str(path))
+    if not isinstance(raw, dict):
+        raise KvevalError(f"{path}: expected a YAML mapping at the top level")
+    try:
+        sweep = SweepFile.model_validate(raw)
+    except ValidationError as exc:
+        raise KvevalError(f"{path}: {_error_line(exc, SweepFile)}") from None
+    except KvevalError as exc:
+        raise KvevalError(f"{path}: {exc}") from None
+    try:
+        base = _read_mapping(sweep.base, "base config file") if isinstance(sweep.base, str) else sweep.base
+        listed: list[tuple[str | None, dict, str]] = []
+        for i, entry in enumerate(sweep.runs):
+            if isinstance(entry.config, str):
+                data = _read_mapping(entry.config, f"runs[{i}].config file")
+                listed.append((None, data, Path(entry.config).stem))
+            else:
+                name = entry.config.get("name")
+                if entry.name is None and not isinstance(name, str):
+                    raise KvevalError(f"runs[{i}]: an inline config needs a name (name: beside config:)")
+                listed.append((name if isinstance(name, str) else None, entry.config, f"runs{i}"))
+        specs = expand(sweep, base, listed)
+    except KvevalError as exc:
+        raise KvevalError(f"{path}: {exc}") from None
+    output = sweep.output_dir()
+    plan = SweepPlan(path=path, sweep=sweep, output=Path(output).expanduser(), runs=[])
+    seen: dict[str, str] = {}
+    for spec in specs:
+        source = f"{path}: run '{spec.name}' ({spec.source})"
+        cfg = validate(with_placement(spec, output), source, [*spec.overrides, *(overrides or [])],
+                       allow_code=allow_code)
+        check_inputs(cfg, source)
+        resolved = cfg.resolved()
+        experiment = yaml.safe_dump({k: v for k, v in resolved.items() if k not in ("name", "output")},
+                                    sort_keys=True)
+        if experiment in seen:
+            raise KvevalError(f"{path}: runs '{seen[experiment]}' and '{spec.name}' are the same experiment "
+                              "(identical configs but for their names); remove one")
+        seen[experiment] = spec.name
+        plan.runs.append(PlannedRun(spec, cfg, resolved, cfg.output_dir()))
+    return plan
+
+
+def resolved_yaml(resolved: dict[str, Any]) -> str:
+    """A run's resolved config as the YAML file the sweep writes and its ``kveval run`` reads."""
+    return yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
