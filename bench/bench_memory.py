@@ -11,6 +11,7 @@ what the pass itself needed. ``--logits last`` computes only the last position's
 so that attention and its masks are not hidden behind the ``[T, vocab]`` logits (1.6 GB at 8k tokens in float32);
 ``all`` is what the perplexity task computes.
 
+``--mask-elements N`` sets ``kveval.patch.emulate.MASK_ELEMENTS`` (the query-chunk budget) in the child.
 ``--emulate-from FILE`` measures another version of ``kveval/patch/emulate.py`` (e.g. ``git show
 HEAD~1:kveval/patch/emulate.py > /tmp/emulate_old.py``): the child imports it in place of the installed one.
 
@@ -50,6 +51,9 @@ def child(args) -> None:
         emulate = module.emulate
     else:
         from kveval.patch import emulate
+
+        if args.mask_elements:
+            importlib.import_module("kveval.patch.emulate").MASK_ELEMENTS = args.mask_elements
     model, tok = load_model(args.model, dtype=args.dtype)
     ids = load_tokens("builtin", tok)[: args.length][None]
     if ids.shape[1] < args.length:
@@ -83,6 +87,7 @@ def main() -> None:
     ap.add_argument("--modes", default="unpatched,emulate")
     ap.add_argument("--logits", default="last", choices=["last", "all"])
     ap.add_argument("--emulate-from", default=None)
+    ap.add_argument("--mask-elements", type=int, default=None, help="kveval.patch.emulate.MASK_ELEMENTS to use")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="", help=argparse.SUPPRESS)
@@ -102,6 +107,8 @@ def main() -> None:
                    "--dtype", args.dtype, "--policy", args.policy, "--logits", args.logits]
             if args.emulate_from:
                 cmd += ["--emulate-from", args.emulate_from]
+            if args.mask_elements:
+                cmd += ["--mask-elements", str(args.mask_elements)]
             res = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if res.returncode:
                 raise SystemExit(f"{mode} at {length} tokens failed:\n{res.stderr[-2000:]}")
