@@ -2,21 +2,27 @@
 
     .venv/bin/python bench/bench_decode.py [--model builtin:smollm2-135m] [--batch 4] [--prompt 1024]
                                            [--new-tokens 32] [--policies int4_g64,kivi2] [--repeats 2]
+                                           [--threads N] [--skip-single] [--cache-from FILE]
 
 The same ``--batch`` prompts (builtin corpus, lengths ``prompt``, ``prompt - 37``, ``prompt - 2*37`` ...: left
-padding in a batch) are generated greedily, ``--new-tokens`` tokens each, four ways per policy:
+padding in a batch) are generated greedily, ``--new-tokens`` tokens each (``min_new_tokens`` too: no early stop),
+two ways per cache:
 
-* ``batched``: one ``model.generate`` over the left-padded batch; HF's DynamicCache, then ``QuantizedKVCache``;
+* ``batched``: one ``model.generate`` over the left-padded batch;
 * ``single``: one ``model.generate`` per prompt (what the needle and ruler tasks did before batching).
 
-Timing is split: a run with ``max_new_tokens=1`` is the prefill; ``decode`` is the rest (``new_tokens - 1`` steps).
-Printed per way: decode tokens/s (generated tokens of all rows / decode seconds), end-to-end tokens/s, and the
-ratio quantized / DynamicCache of each (1.0 = no overhead). Medians of ``--repeats`` runs, interleaved so that a
-load change on a shared machine hits both caches alike.
+Caches: HF's ``DynamicCache`` (``dynamic``), this ``QuantizedKVCache`` under each policy, and with ``--cache-from
+FILE`` the ``QuantizedKVCache`` of another version of ``kveval/patch/cache.py`` (e.g. ``git show
+b303ddb:kveval/patch/cache.py > /tmp/cache_old.py``; printed as ``<policy>@old``; that version reads no left
+padding, so its batched rows count padding as tokens).
 
-``--cache-from FILE`` adds the ``QuantizedKVCache`` of another version of ``kveval/patch/cache.py`` (e.g. ``git
-show b303ddb:kveval/patch/cache.py > /tmp/cache_old.py``), timed in the same process as ``<policy>@old``: a before /
-after comparison under the same load. (That version reads no left padding: its rows count padding as tokens.)
+Timing: a logits processor stamps every generation step, so ``prefill`` is the first step (prompt forward) and
+``decode`` the ``new_tokens - 1`` steps after it, each timed inside one ``generate`` call (no subtraction of two
+runs, whose noise on a shared machine swamps the decode time). Printed per way and cache: prefill seconds, decode
+tokens/s (tokens of all rows / decode seconds) and the ratio of decode tokens/s to DynamicCache's for the same way
+(1.0 = no overhead). Medians of ``--repeats``, the caches interleaved so that a load change hits them alike. Last,
+whether the batched tokens equal the per-prompt tokens (float32: a padded batch and a single row may round
+differently, and a flip changes the continuation).
 """
 
 from __future__ import annotations
@@ -26,22 +32,24 @@ import statistics
 import time
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from kveval.data import load_tokens
 from kveval.models import load_model
 from kveval.patch import QuantizedKVCache, cache_kwargs
 from kveval.policy import KVPolicy
+from kveval.tasks._generation import left_padded
 
 
-def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both ``[batch, longest]``, padded on the left."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    return ids, mask
+class StepClock(LogitsProcessor):
+    """Records ``time.perf_counter()`` at every generation step (after each forward pass)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
 
 
 def load_cache_class(path: str):
@@ -59,18 +67,16 @@ def load_cache_class(path: str):
 
 @torch.no_grad()
 def generate(model, ids, mask, new_tokens: int, policy: KVPolicy | None, pad_id: int,
-             cache_class=QuantizedKVCache) -> torch.Tensor:
+             cache_class=QuantizedKVCache) -> tuple[torch.Tensor, float, float]:
+    """(generated tokens ``[rows, new_tokens]``, prefill seconds, decode seconds)."""
+    clock = StepClock()
     kwargs: dict = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                        pad_token_id=pad_id)
+                        pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]))
     if policy is not None:
         kwargs.update(cache_kwargs(model, cache_class(model, policy)))
-    return model.generate(ids, **kwargs)[:, ids.shape[1]:]
-
-
-def timed(fn) -> tuple[float, torch.Tensor]:
-    t = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t, out
+    start = time.perf_counter()
+    out = model.generate(ids, **kwargs)[:, ids.shape[1]:]
+    return out, clock.stamps[0] - start, clock.stamps[-1] - clock.stamps[0]
 
 
 def main() -> None:
@@ -98,44 +104,43 @@ def main() -> None:
     print(f"{args.model}, {torch.get_num_threads()} threads, batch {B}, prompts {lengths}, {N} new tokens each")
     generate(model, ids[:, -64:], mask[:, -64:], 2, None, pad)  # warm-up
 
-    def ways(policy, cache_class=QuantizedKVCache):
-        out = {"batched": lambda n: generate(model, ids, mask, n, policy, pad, cache_class)}
-        if not args.skip_single:
-            out["single"] = lambda n: torch.cat([
-                generate(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), n, policy, pad,
-                         cache_class)
-                for p in prompts])
-        return out
+    def run(way: str, policy, cache_class) -> tuple[torch.Tensor, float, float]:
+        if way == "batched":
+            return generate(model, ids, mask, N, policy, pad, cache_class)
+        outs, prefill, decode = [], 0.0, 0.0
+        for p in prompts:
+            out, a, b = generate(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), N, policy, pad,
+                                 cache_class)
+            outs.append(out)
+            prefill, decode = prefill + a, decode + b
+        return torch.cat(outs), prefill, decode
 
+    ways = ["batched"] if args.skip_single else ["batched", "single"]
     for name in args.policies.split(","):
         policy = KVPolicy.preset(name)
-        times: dict[tuple[str, str], dict[str, list[float]]] = {}
-        outputs: dict[tuple[str, str], torch.Tensor] = {}
         caches = [("dynamic", None, QuantizedKVCache), (name, policy, QuantizedKVCache)]
         if old_cache is not None:
             caches.append((f"{name}@old", policy, old_cache))
+        times: dict[tuple[str, str], dict[str, list[float]]] = {}
+        outputs: dict[tuple[str, str], torch.Tensor] = {}
         for _ in range(args.repeats):
-            for cache_name, pol, cache_class in caches:
-                for way, fn in ways(pol, cache_class).items():
-                    t1, _ = timed(lambda fn=fn: fn(1))
-                    tN, out = timed(lambda fn=fn: fn(N))
-                    rec = times.setdefault((way, cache_name), {"prefill": [], "total": []})
-                    rec["prefill"].append(t1)
-                    rec["total"].append(tN)
+            for way in ways:
+                for cache_name, pol, cache_class in caches:
+                    out, prefill, decode = run(way, pol, cache_class)
+                    rec = times.setdefault((way, cache_name), {"prefill": [], "decode": []})
+                    rec["prefill"].append(prefill)
+                    rec["decode"].append(decode)
                     outputs[(way, cache_name)] = out
         print(f"\npolicy {name}")
-        print(f"{'way':8s} {'cache':10s} {'prefill s':>9s} {'total s':>8s} {'decode tok/s':>12s} {'e2e tok/s':>10s} "
-              f"{'decode ratio':>12s} {'e2e ratio':>9s}")
+        print(f"{'way':8s} {'cache':14s} {'prefill s':>9s} {'decode s':>9s} {'decode tok/s':>12s} {'ratio':>7s}")
         rates = {}
         for (way, cache_name), rec in times.items():
-            prefill, total = statistics.median(rec["prefill"]), statistics.median(rec["total"])
-            decode = max(total - prefill, 1e-9)
-            rates[(way, cache_name)] = (B * (N - 1) / decode, B * N / total, prefill, total)
-        for (way, cache_name), (dec, e2e, prefill, total) in rates.items():
-            ref = rates[(way, "dynamic")]
-            print(f"{way:8s} {cache_name:10s} {prefill:9.2f} {total:8.2f} {dec:12.1f} {e2e:10.1f} "
-                  f"{dec / ref[0]:12.3f} {e2e / ref[1]:9.3f}")
-        if "single" in {w for w, _ in outputs}:
+            prefill, decode = statistics.median(rec["prefill"]), statistics.median(rec["decode"])
+            rates[(way, cache_name)] = (prefill, decode, B * (N - 1) / max(decode, 1e-9))
+        for (way, cache_name), (prefill, decode, rate) in rates.items():
+            print(f"{way:8s} {cache_name:14s} {prefill:9.2f} {decode:9.2f} {rate:12.2f} "
+                  f"{rate / rates[(way, 'dynamic')][2]:7.3f}")
+        if "single" in ways:
             for cache_name, _, _ in caches:
                 same = torch.equal(outputs[("batched", cache_name)], outputs[("single", cache_name)])
                 print(f"batched tokens == per-prompt tokens under {cache_name}: {same}")
