@@ -33,9 +33,11 @@ Memory: no ``[T, T]`` mask is ever built. Which version query ``t`` reads is a t
 ``M[t, j] = j < sink_tokens or j >= end(t)`` (or the query is in a full-precision prefill), with ``end(t) =
 Schedule.read_quantized_end`` of the call that decodes ``t`` (the function the real cache quantizes by). The
 decoded queries run in chunks of rows ``[i, e)`` that attend to the tokens ``[0, e)`` only (the later ones are
-causally masked anyway), with masks ``[e - i, parts * e]`` built from the thresholds: at most ``MASK_ELEMENTS``
-entries per chunk, so the extra memory is O(T) per query row, not O(T^2), and a chunk's softmax is exactly the
-softmax of its rows over one version of each visible token (chunking only reorders float rounding).
+causally masked anyway), each version part keeping only the tokens some row of the chunk reads in that version
+(the full-precision part: sinks and residual window), with masks built from the thresholds: chunks hold at most
+``MASK_ELEMENTS`` mask entries, so the extra memory is O(T) per query row, not O(T^2), a chunk attends to about
+``e`` keys rather than ``2e``, and its softmax is exactly the softmax of its rows over one version of each visible
+token (chunking only reorders float rounding).
 
 Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
 """
@@ -64,7 +66,7 @@ from kveval.quant import QuantSpec
 
 #: The largest attention mask of one chunk of decoded queries, in entries (bool here; the attention function may
 #: widen it to the query dtype): queries are chunked so that ``chunk rows x key versions x keys`` stays below this.
-MASK_ELEMENTS = 1 << 24
+MASK_ELEMENTS = 1 << 22
 
 
 def read_ends(schedule: Schedule, T: int, prefill_len: int) -> list[int]:
@@ -225,26 +227,42 @@ class LayerEmulation:
     def _chunk(self, compute, module, query, key, value, k_hat, v_hat, attention_mask, T: int, start: int,
                stop: int, *args, **kwargs):
         """Queries ``[start, stop)`` over one version of each token ``j < stop``: keys ``[k ; k̂]`` (values
-        ``[v ; v̂]``), or the 4 (key version, value version) parts when the schedules differ, parts no query of the
-        chunk selects dropped; the mask is ``[batch or 1, 1, stop - start, parts * stop]``. (output ``[batch,
-        stop - start, heads, head_dim]``, weights)."""
+        ``[v ; v̂]``), or the 4 (key version, value version) parts when the schedules differ. Each part keeps only
+        the tokens some query of the chunk reads in that version (a full-precision part: the sinks and the
+        residual window; a part no query selects is dropped), so a chunk attends to about ``stop`` keys, not
+        ``parts * stop``; the mask is ``[batch or 1, 1, stop - start, kept keys]``. (output ``[batch, stop - start,
+        heads, head_dim]``, weights)."""
         device = key.device
-        rows = None if attention_mask is None else attention_mask[..., start:stop, :]
-        allowed = attn.allowed_mask(rows, stop - start, stop, device)  # [.., stop - start, stop]
+        if attention_mask is None:  # causal: query t sees j <= t
+            allowed = (torch.arange(stop, device=device)[None, :]
+                       <= torch.arange(start, stop, device=device)[:, None])[None, None]
+        else:
+            allowed = attn.allowed_mask(attention_mask[..., start:stop, :], stop - start, stop, device)
         mk, mv = self.full_precision_rows(T, start, stop, device)
-        k, v, kh, vh = key[:, :, :stop], value[:, :, :stop], k_hat[:, :, :stop], v_hat[:, :, :stop]
         if mv is None:
-            parts = [(k, v, mk), (kh, vh, ~mk)]
+            parts = [(key, value, mk), (k_hat, v_hat, ~mk)]
         else:  # keys and values read on different schedules: one part per (key version, value version)
-            parts = [(k, v, mk & mv), (kh, v, ~mk & mv), (k, vh, mk & ~mv), (kh, vh, ~mk & ~mv)]
-            causal = torch.ones(stop - start, stop, dtype=torch.bool, device=device).tril(start)
-            parts = [p for p in parts if bool((p[2] & causal).any())]
-        mask = torch.cat([allowed & m for _, _, m in parts], dim=-1)
-        mask = attn.inner_mask(mask, self.implementation, query.dtype)
-        keys = torch.cat([x for x, _, _ in parts], dim=-2)
-        values = torch.cat([x for _, x, _ in parts], dim=-2)
-        positions = torch.arange(stop, device=device).repeat(len(parts))  # the parts are versions of tokens 0..stop-1
-        return compute(module, query[:, :, start:stop], keys, values, mask, *args, key_positions=positions, **kwargs)
+            parts = [(key, value, mk & mv), (k_hat, value, ~mk & mv), (key, v_hat, mk & ~mv), (k_hat, v_hat, ~mk & ~mv)]
+        keys, values, masks, positions = [], [], [], []
+        for k, v, m in parts:
+            m = allowed & m  # [.., stop - start, stop]
+            used = m.reshape(-1, stop).any(dim=0)  # tokens some query of the chunk reads in this version
+            if bool(used.all()):
+                keys.append(k[:, :, :stop])
+                values.append(v[:, :, :stop])
+                masks.append(m)
+                positions.append(torch.arange(stop, device=device))
+                continue
+            cols = used.nonzero().squeeze(1)
+            if cols.numel() == 0:
+                continue
+            keys.append(k.index_select(2, cols))
+            values.append(v.index_select(2, cols))
+            masks.append(m.index_select(-1, cols))
+            positions.append(cols)
+        mask = attn.inner_mask(torch.cat(masks, dim=-1), self.implementation, query.dtype)
+        return compute(module, query[:, :, start:stop], torch.cat(keys, dim=-2), torch.cat(values, dim=-2), mask,
+                       *args, key_positions=torch.cat(positions), **kwargs)
 
 
 class Emulation:
