@@ -617,6 +617,9 @@ def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
         check_model_source(cfg.model.name, cfg.model.trust_remote_code)
         _check_windows_fit(cfg)
         _check_weight_widths(cfg)
+        from kveval.weights.gguf_file import check_variant_files
+
+        check_variant_files(cfg.model.weight_variants())
         if cfg.model.device == "cuda":
             import torch
 

@@ -13,6 +13,7 @@ from kveval.config import validate
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
 from kveval.report.task_figures import plot_needle
+from kveval.tasks._generation import generate_answer
 from kveval.tasks.needle import task as needle
 from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
@@ -23,7 +24,7 @@ from kveval.tasks.needle.prompts import (
     split_sentences,
     trial_rng,
 )
-from kveval.tasks.needle.task import Params, aggregate, generate_answer, score_answer, trial_prompt
+from kveval.tasks.needle.task import Params, aggregate, score_answer, trial_prompt
 
 CORPUS = (
     "The interpreter reads a line of input. It then parses the line into a syntax tree!\n\n"
@@ -287,3 +288,28 @@ def test_builtin_prompt_exact_length_with_chat_template(builtin_model):
                 assert text.startswith("<|im_start|>system") and text.endswith(f"assistant\n{spec.answer_prefix}")
                 longest = max(len(st[i]) for i in range(len(st)))
                 assert abs(p.needle_start - p.haystack_start - depth * p.filler_tokens) <= longest
+
+
+def test_batched_generation_gives_each_trial_the_answer_it_gets_alone(tmp_path, monkeypatch):
+    """Trials of one context generated in batches of 4 (6 trials: a full and a partial batch) record what
+    batch_size 1 records (float64: no batch rounding), and generation runs once per batch, not per trial."""
+    sizes = []
+    real = needle.generate_answers
+
+    def counting(model, tok, prompts, *a, **k):
+        sizes.append(len(prompts))
+        return real(model, tok, prompts, *a, **k)
+
+    monkeypatch.setattr(needle, "generate_answers", counting)
+    runs = {}
+    for size in (1, 4):
+        raw = tiny_config(tmp_path / f"b{size}", depths=[0.0, 0.5, 1.0], trials=2, batch_size=size)
+        raw["model"] = {"name": "builtin:tiny-llama", "dtype": "float64"}
+        run_experiment(validate(raw), quiet=True)
+        runs[size] = {r["key"]: r for r in map(json.loads, (tmp_path / f"b{size}" / "records.jsonl").open())}
+    assert sizes == [1] * 12 + [4, 2, 4, 2]  # (baseline, int2_g32) x 6 trials alone, then 2 batches each
+    assert runs[1].keys() == runs[4].keys() and len(runs[1]) == 12
+    for key, alone in runs[1].items():
+        batched = runs[4][key]
+        assert batched["generated"] == alone["generated"] and batched["exact_match"] == alone["exact_match"], key
+        assert batched["answer_logprob"] == pytest.approx(alone["answer_logprob"], abs=1e-12)

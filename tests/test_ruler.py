@@ -438,3 +438,28 @@ def test_builtin_model_prompts_and_a_short_run(builtin_model, tmp_path):
     assert abs(int8["ruler_logprob_delta"]) < 0.05
     assert 0 <= base["ruler_score"] <= 100
     assert int8["ruler_drop"] == pytest.approx(base["ruler_score"] - int8["ruler_score"])
+
+
+def test_batched_generation_gives_each_sample_the_answer_it_gets_alone(tmp_path, monkeypatch):
+    """The 3 samples of a cell generated in batches of 2 (a full and a partial batch) record what batch_size 1
+    records (float64: no batch rounding), and generation runs once per batch, not per sample."""
+    sizes = []
+    real = ruler.generate_answers
+
+    def counting(model, tok, prompts, *a, **k):
+        sizes.append(len(prompts))
+        return real(model, tok, prompts, *a, **k)
+
+    monkeypatch.setattr(ruler, "generate_answers", counting)
+    runs = {}
+    for size in (1, 2):
+        raw = tiny_raw(tmp_path / f"b{size}", families=["niah_single_2"], lengths=[600], samples=3, batch_size=size)
+        raw["model"] = {"name": "builtin:tiny-llama", "dtype": "float64"}
+        run_experiment(validate(raw), quiet=True)
+        runs[size] = {r["key"]: r for r in map(json.loads, (tmp_path / f"b{size}" / "records.jsonl").open())}
+    assert sizes == [1] * 6 + [2, 1, 2, 1]  # (baseline, int2_g32) x 3 samples alone, then 2 batches each
+    assert runs[1].keys() == runs[2].keys() and len(runs[1]) == 6
+    for key, alone in runs[1].items():
+        batched = runs[2][key]
+        assert (batched["generated"], batched["score"]) == (alone["generated"], alone["score"]), key
+        assert batched["answer_logprob"] == pytest.approx(alone["answer_logprob"], abs=1e-12)

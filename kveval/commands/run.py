@@ -162,7 +162,7 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
         check = getattr(runners[entry.kind], "check", None)
         if check is not None:
             check(ctx, entry.params)
-    scales_used = check_scales(ctx)
+    scales_used = {**check_scales(ctx), **gguf_weights_used(ctx)}
     reset = check_scales_unchanged(out_dir, scales_used, overwrite=overwrite)
     plan = read_plan(cfg.plan)
     replace = RunDir.check(out_dir, cfg.resolved(), overwrite=overwrite) or reset
@@ -251,10 +251,26 @@ def weights_info(ctx: RunContext) -> dict:
             "variants": {n: p.info() for n, p in ctx.weights.items()}}
 
 
+#: The prefix of a GGUF weight variant's entry in ``scales_used.json`` (policy names cannot hold ``/``).
+WEIGHTS_KEY = "weights/"
+
+
+def gguf_weights_used(ctx: RunContext) -> dict:
+    """``{weights/<variant>: xxh3-128 of its file}`` for the weight variants read from a GGUF file: kept beside
+    the scales files' digests, so that a resumed run whose GGUF file changed is refused like a changed scales
+    file."""
+    used = {}
+    for name, prepared in (ctx.weights or {}).items():
+        gguf = prepared.info().get("gguf")
+        if isinstance(gguf, dict) and gguf.get("xxh3_128"):
+            used[f"{WEIGHTS_KEY}{name}"] = gguf["xxh3_128"]
+    return used
+
+
 def check_scales_unchanged(out_dir, scales_used: dict, *, overwrite: bool) -> bool:
-    """A resumed run whose ``scales: FILE`` changed since its records were written would mix two calibrations:
-    refuse it, or with ``overwrite`` return True (start the folder afresh; :meth:`RunDir.open` does it once every
-    check has passed). Reads only."""
+    """A resumed run whose ``scales: FILE`` (or a weight variant's GGUF file) changed since its records were
+    written would mix two calibrations (two weight sets): refuse it, or with ``overwrite`` return True (start the
+    folder afresh; :meth:`RunDir.open` does it once every check has passed). Reads only."""
     import json
 
     path = Path(out_dir) / SCALES_USED_FILE
@@ -269,7 +285,12 @@ def check_scales_unchanged(out_dir, scales_used: dict, *, overwrite: bool) -> bo
         return False
     if overwrite:
         return True
-    what = f"policy '{changed[0]}': its scales file" if changed else "the record of the scales files"
+    if not changed:
+        what = "the record of the scales files"
+    elif changed[0].startswith(WEIGHTS_KEY):
+        what = f"model.weights.{changed[0][len(WEIGHTS_KEY):]}: its GGUF file"
+    else:
+        what = f"policy '{changed[0]}': its scales file"
     raise KvevalError(f"{out_dir}: {what} changed since this run's records were written; rerun with --overwrite "
                       "to start afresh, or set output: to another folder")
 

@@ -18,6 +18,21 @@ symmetric, granularity: group, group_size: 32}``, optionally ``preset: NAME`` pl
 Module groups (``MODULE_GROUPS``): ``attention`` (the q/k/v/o projections of every layer), ``mlp`` (the gate/up/down
 projections), ``lm_head`` (the output projection), ``embeddings`` (the input token embeddings). Default: attention
 and mlp; norms and biases are never quantized. With tied embeddings, ``lm_head`` and ``embeddings`` are one tensor.
+
+A GGUF file's own quantized tensors (``GgufVariant``), against a higher-precision source of the same model::
+
+    model:
+      name: ./SmolLM2-135M-Instruct             # the source: an HF folder, or an F16/F32 .gguf (the reference fp)
+      weights:
+        q4_k_m: {gguf: ./SmolLM2-135M-Instruct.Q4_K_M.gguf}
+        q4_k_m_mlp: {gguf: ./SmolLM2-135M-Instruct.Q4_K_M.gguf, modules: [mlp]}
+
+The variant's weights are the file's tensors dequantized (by transformers' GGUF loader, through kveval's conversion
+cache: names mapped and llama.cpp's Q/K row order undone), copied into the source model's parameters: all of them
+by default (norms included: the file's F32 copies), or those of ``modules``. The file's parameters must be the
+source's (the same names and shapes, the same attention head counts); ``gguf`` and ``spec`` together are
+refused. ``kveval.weights.apply`` says in env.json and metrics.json which file (name, size, xxh3-128 of its
+content), which tensors differed from the source's, and the file's tensor types per group (Q4_K, Q6_K...).
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kveval.errors import KvevalError
@@ -127,6 +143,61 @@ class WeightVariant:
         return f"{self.spec.describe()} on {', '.join(self.modules)}"
 
 
+@dataclass(frozen=True)
+class GgufVariant:
+    """One set of weights to evaluate beside the checkpoint's: the tensors of the GGUF file ``gguf`` (the path as
+    the config gives it), dequantized, in place of the source model's, for the module groups ``modules`` (None:
+    every tensor the file holds, norms included). Plain data: ``kveval.weights.apply`` reads the file."""
+
+    name: str
+    gguf: str
+    modules: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, name: str, where: str | None = None) -> GgufVariant:
+        """From ``{gguf: PATH}`` or ``{gguf: PATH, modules: [GROUP, ...]}``."""
+        where = where or f"model.weights.{name}"
+        check_variant_name(name, where)
+        if not isinstance(cfg, dict) or "gguf" not in cfg:
+            raise KvevalError(f"{where}: expected {{gguf: PATH}} (a GGUF file's tensors)")
+        if "spec" in cfg:
+            raise KvevalError(f"{where}: give spec (kveval quantizes the source's weights) or gguf (a file's own "
+                              "quantized tensors), not both; make them two variants")
+        unknown = [k for k in cfg if k not in GGUF_KEYS]
+        if unknown:
+            raise KvevalError(f"{where}: unknown key '{unknown[0]}'{_close(str(unknown[0]), list(GGUF_KEYS))} "
+                              f"(a gguf variant takes {', '.join(GGUF_KEYS)})")
+        path = cfg["gguf"]
+        if not isinstance(path, str) or not path.strip():
+            raise KvevalError(f"{where}.gguf: expected the path of a .gguf file; got {path!r}")
+        modules = parse_modules(cfg["modules"], f"{where}.modules") if "modules" in cfg else None
+        return cls(name=name, gguf=path, modules=modules)
+
+    def to_config(self) -> dict:
+        """The full form (config.resolved.yaml): ``{gguf: PATH}``, with ``modules`` when given."""
+        return {"gguf": self.gguf, **({"modules": list(self.modules)} if self.modules is not None else {})}
+
+    def describe(self) -> str:
+        """One line: ``the tensors of model.Q4_K_M.gguf on mlp``."""
+        on = ", ".join(self.modules) if self.modules is not None else "every tensor it holds"
+        return f"the tensors of {Path(self.gguf).name} on {on}"
+
+
+#: The keys of a gguf variant's mapping.
+GGUF_KEYS = ("gguf", "modules")
+
+#: A variant of either kind.
+AnyVariant = WeightVariant | GgufVariant
+
+
+def parse_variant(cfg: Any, name: str, where: str | None = None) -> AnyVariant:
+    """One variant from its config value: ``{gguf: ...}`` is a :class:`GgufVariant`, anything else a
+    :class:`WeightVariant` (a spec, or ``{spec: ..., modules: [...]}``)."""
+    if isinstance(cfg, dict) and "gguf" in cfg:
+        return GgufVariant.from_config(cfg, name, where)
+    return WeightVariant.from_config(cfg, name, where)
+
+
 def check_variant_name(name: Any, where: str) -> None:
     if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not _NAME_RE.fullmatch(name):
         raise KvevalError(f"{where}: variant name {name!r}: use letters, digits, '_', '-' and '.' only, not "
@@ -172,12 +243,12 @@ def normalise_weights(value: Any) -> Any:
     return value
 
 
-def parse_variants(value: Any) -> dict[str, WeightVariant]:
-    """``{NAME: WeightVariant}`` from ``model.weights`` in any of its forms (``normalise_weights``)."""
+def parse_variants(value: Any) -> dict[str, AnyVariant]:
+    """``{NAME: WeightVariant | GgufVariant}`` from ``model.weights`` in any of its forms (``normalise_weights``)."""
     value = normalise_weights(value)
     if not isinstance(value, dict):
         raise KvevalError("model.weights: expected a preset name, a list of them or a mapping {NAME: SPEC}")
-    return {str(n): WeightVariant.from_config(cfg, str(n)) for n, cfg in value.items()}
+    return {str(n): parse_variant(cfg, str(n)) for n, cfg in value.items()}
 
 
 def widths_from_config(cfg: Any) -> dict[str, set[int]] | None:
@@ -198,10 +269,13 @@ def widths_from_config(cfg: Any) -> dict[str, set[int]] | None:
             "embeddings": {hidden}}
 
 
-def check_widths(variants: dict[str, WeightVariant], widths: dict[str, set[int]], model: str) -> None:
+def check_widths(variants: dict[str, AnyVariant], widths: dict[str, set[int]], model: str) -> None:
     """KvevalError (one line) for a variant whose spec cannot tile the rows of a module group's matrices (a group
-    size that does not divide in_features), from the widths of :func:`widths_from_config`, before the model loads."""
+    size that does not divide in_features), from the widths of :func:`widths_from_config`, before the model loads
+    (a GGUF variant has no spec: its file is checked against the loaded model)."""
     for name, v in variants.items():
+        if not isinstance(v, WeightVariant):
+            continue
         for group in v.modules:
             for width in sorted(widths.get(group, ())):
                 try:
@@ -211,6 +285,7 @@ def check_widths(variants: dict[str, WeightVariant], widths: dict[str, set[int]]
                                       "spec whose groups divide every input width") from None
 
 
-__all__ = ["DEFAULT_MODULES", "MODULE_GROUPS", "REFERENCE", "RESERVED_NAMES", "WEIGHT_PRESETS", "WeightVariant",
-           "check_variant_name", "check_widths", "normalise_weights", "widths_from_config", "parse_modules", "parse_variants", "parse_weight_spec",
+__all__ = ["DEFAULT_MODULES", "GGUF_KEYS", "MODULE_GROUPS", "REFERENCE", "RESERVED_NAMES", "WEIGHT_PRESETS",
+           "AnyVariant", "GgufVariant", "WeightVariant", "check_variant_name", "check_widths", "normalise_weights",
+           "widths_from_config", "parse_modules", "parse_variant", "parse_variants", "parse_weight_spec",
            "weight_preset_names"]

@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
 from kveval.schema import Strict
-from kveval.tasks._generation import generate_answer, score_answer
+from kveval.tasks._generation import generate_answers, score_answer
 from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
     SentenceTokens,
@@ -56,6 +56,7 @@ class Params(Strict):
     trials: int = Field(2, gt=0)
     max_new_tokens: int = Field(8, gt=0)
     generate: bool = True
+    batch_size: int = Field(8, gt=0)  # trials of one context length generated per left-padded batch
     chat_template: bool = True
     plots: bool = True  # the report draws the heatmaps (kveval.report.task_figures), not the task
 
@@ -140,26 +141,40 @@ def check(ctx, params: Params) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The two scores (score_answer, teacher-forced, and generate_answer, greedy: kveval.tasks._generation)
+# The two scores (score_answer, teacher-forced, and generate_answers, greedy: kveval.tasks._generation)
 # ---------------------------------------------------------------------------------------------------------------
 def trial_words(context: int, depth: float, trial: int) -> str:
     """A trial in words, for messages: ``needle trial 0 (context 64, depth 0.5)``."""
     return f"needle trial {trial} (context {context}, depth {depth:g})"
 
 
-def evaluate(model, tokenizer, spec, prompt, params: Params, policy=None, *, where: str = "a needle prompt") -> dict:
-    """Both scores of one trial under one policy (None: the unpatched model), with their timings; ``where``: the
-    trial in words, for the one line that NaN or infinity in the logits stops the run with."""
-    t0 = time.perf_counter()
-    rec = score_answer(model, prompt.input_ids, prompt.answer_ids, policy, where=where)
-    rec["seconds_score"] = time.perf_counter() - t0
-    if params.generate:
+def evaluate(model, tokenizer, trials: list, params: Params, policy=None, *, where: list[str]) -> list[dict]:
+    """Both scores of ``trials`` (``(spec, prompt)`` pairs) under one policy (None: the unpatched model), with
+    their timings: the teacher-forced score one trial at a time, the greedy generation ``params.batch_size``
+    trials per left-padded batch (:func:`kveval.tasks._generation.generate_answers`; each row as if alone, up to
+    a batch's float rounding; ``seconds_generate`` is a batch's time divided by its rows). ``where``: each trial
+    in words, for the one line that NaN or infinity in the logits stops the run with."""
+    recs = []
+    for (_, prompt), w in zip(trials, where):
         t0 = time.perf_counter()
-        text = generate_answer(model, tokenizer, prompt.input_ids, params.max_new_tokens, policy, where=where)
-        rec["seconds_generate"] = time.perf_counter() - t0
-        rec["generated"] = text
-        rec["exact_match"] = int(exact_match(text, spec.answer))
-    return rec
+        rec = score_answer(model, prompt.input_ids, prompt.answer_ids, policy, where=w)
+        rec["seconds_score"] = time.perf_counter() - t0
+        recs.append(rec)
+    if not params.generate:
+        return recs
+    size = params.batch_size
+    for first in range(0, len(trials), size):
+        batch = trials[first:first + size]
+        t0 = time.perf_counter()
+        texts = generate_answers(model, tokenizer, [p.input_ids for _, p in batch], params.max_new_tokens, policy,
+                                 where=where[first] if len(batch) == 1 else f"{where[first]} and its batch",
+                                 batch_size=size)
+        seconds = (time.perf_counter() - t0) / len(batch)
+        for rec, (spec, _), text in zip(recs[first:first + size], batch, texts):
+            rec["seconds_generate"] = seconds
+            rec["generated"] = text
+            rec["exact_match"] = int(exact_match(text, spec.answer))
+    return recs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -167,7 +182,8 @@ def evaluate(model, tokenizer, spec, prompt, params: Params, policy=None, *, whe
 # ---------------------------------------------------------------------------------------------------------------
 def run(ctx, params: Params) -> dict:
     """Evaluate every (cell, trial, policy) not yet recorded and aggregate all needle records (the report draws
-    the heatmaps from the result)."""
+    the heatmaps from the result). The trials of one context length are generated together, ``batch_size`` per
+    batch (their prompts have the same length); their records are written when their batch is done."""
     names = [BASELINE, *ctx.policies]
     trials = [(c, d, t) for c in params.context_lengths for d in params.depths for t in range(params.trials)]
     done = ctx.run.done_keys()
@@ -176,25 +192,34 @@ def run(ctx, params: Params) -> dict:
         ctx.progress.log(f"needle: resuming, {len(trials) - len(todo)} of {len(trials)} trials already recorded")
     sentences = haystack(ctx, params)
     model, tok = ctx.model, ctx.tokenizer
+    by_context: dict[int, list[tuple[float, int]]] = {}
+    for context, depth, trial in todo:
+        by_context.setdefault(context, []).append((depth, trial))
     with ctx.progress.task(f"needle ({params.variant})", total=len(todo) * len(names), unit="tok") as advance:
-        for context, depth, trial in todo:
-            spec, prompt = trial_prompt(tok, params, sentences, seed=ctx.cfg.seed, context=context, depth=depth,
-                                        trial=trial)
+        for context, cells in by_context.items():
+            made = {c: trial_prompt(tok, params, sentences, seed=ctx.cfg.seed, context=context, depth=c[0],
+                                    trial=c[1]) for c in cells}
             for name in names:
-                key = record_key(params.variant, context, depth, trial, name)
-                if key in done:
+                pending = [c for c in cells if record_key(params.variant, context, *c, name) not in done]
+                for _ in range(len(cells) - len(pending)):
                     advance(0)
-                    continue
                 policy = None if name == BASELINE else ctx.policies[name]
-                rec = {
-                    "key": key, "task": NAME, "variant": params.variant, "context": context, "depth": depth,
-                    "trial": trial, "policy": name, "answer": spec.answer, "prompt_tokens": len(prompt.input_ids),
-                    "needle_start": prompt.needle_start, "needle_depth_tokens": prompt.needle_start - prompt.haystack_start,
-                }
-                rec.update(evaluate(model, tok, spec, prompt, params, policy,
-                                    where=trial_words(context, depth, trial)))
-                ctx.run.append(rec)
-                advance(context)
+                for first in range(0, len(pending), params.batch_size):
+                    chunk = pending[first:first + params.batch_size]
+                    scored = evaluate(model, tok, [made[c] for c in chunk], params, policy,
+                                      where=[trial_words(context, *c) for c in chunk])
+                    for (depth, trial), result in zip(chunk, scored):
+                        spec, prompt = made[(depth, trial)]
+                        rec = {
+                            "key": record_key(params.variant, context, depth, trial, name), "task": NAME,
+                            "variant": params.variant, "context": context, "depth": depth, "trial": trial,
+                            "policy": name, "answer": spec.answer, "prompt_tokens": len(prompt.input_ids),
+                            "needle_start": prompt.needle_start,
+                            "needle_depth_tokens": prompt.needle_start - prompt.haystack_start,
+                        }
+                        rec.update(result)
+                        ctx.run.append(rec)
+                        advance(context)
     return aggregate(ctx.run.records(), list(ctx.policies))
 
 

@@ -44,7 +44,7 @@ from pydantic import Field, model_validator
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
 from kveval.schema import Strict
-from kveval.tasks._generation import generate_answer, score_answer
+from kveval.tasks._generation import generate_answers, score_answer
 from kveval.tasks._prompts import SentenceTokens, split_sentences
 from kveval.tasks.ruler.prompts import FAMILIES, Pieces, Sample, build_sample, sample_rng
 from kveval.tasks.ruler.scoring import score
@@ -65,6 +65,7 @@ class Params(Strict):
     depths: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(None, min_length=1)
     max_new_tokens: int | None = Field(None, gt=0)  # None: RULER's budget per family
     max_drop: float = Field(5.0, ge=0)  # score points below the baseline a family may lose at any length
+    batch_size: int = Field(8, gt=0)  # samples of one (family, length) generated per left-padded batch
     chat_template: bool = True
     plots: bool = True  # the report draws the heatmaps (kveval.report.task_figures), not the task
 
@@ -163,25 +164,40 @@ def check(ctx, params: Params) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # The scores
 # ---------------------------------------------------------------------------------------------------------------
-def evaluate(model, tokenizer, sample: Sample, max_new_tokens: int, policy=None, *, where: str) -> dict:
-    """Both scores of one sample under one policy (None: the unpatched model), with their timings; ``where``: the
-    sample in words, for the one line that NaN or infinity in the logits stops the run with."""
-    t0 = time.perf_counter()
-    rec = score_answer(model, sample.input_ids, sample.answer_ids, policy, where=where)
-    rec["seconds_score"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    text = generate_answer(model, tokenizer, sample.input_ids, max_new_tokens, policy, where=where)
-    rec["seconds_generate"] = time.perf_counter() - t0
-    rec["generated"] = text
-    rec["score"] = score(text, sample.answers, FAMILIES[sample.family].metric)
-    return rec
+def evaluate(model, tokenizer, samples: list[Sample], max_new_tokens: int, policy=None, *, where: list[str],
+             batch_size: int = 8) -> list[dict]:
+    """Both scores of ``samples`` under one policy (None: the unpatched model), with their timings: the
+    teacher-forced score one sample at a time, the greedy generation ``batch_size`` samples per left-padded batch
+    (:func:`kveval.tasks._generation.generate_answers`; each row as if alone, up to a batch's float rounding).
+    ``seconds_generate`` is a batch's time divided by its rows. ``where``: each sample in words, for the one line
+    that NaN or infinity in the logits stops the run with (a batch names its first sample)."""
+    recs = []
+    for sample, w in zip(samples, where):
+        t0 = time.perf_counter()
+        rec = score_answer(model, sample.input_ids, sample.answer_ids, policy, where=w)
+        rec["seconds_score"] = time.perf_counter() - t0
+        recs.append(rec)
+    for first in range(0, len(samples), batch_size):
+        batch = samples[first:first + batch_size]
+        t0 = time.perf_counter()
+        texts = generate_answers(model, tokenizer, [s.input_ids for s in batch], max_new_tokens, policy,
+                                 where=where[first] if len(batch) == 1 else f"{where[first]} and its batch",
+                                 batch_size=batch_size)
+        seconds = (time.perf_counter() - t0) / len(batch)
+        for rec, sample, text in zip(recs[first:first + batch_size], batch, texts):
+            rec["seconds_generate"] = seconds
+            rec["generated"] = text
+            rec["score"] = score(text, sample.answers, FAMILIES[sample.family].metric)
+    return recs
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------------------------
 def run(ctx, params: Params) -> dict:
-    """Evaluate every (family, length, sample, policy) not yet recorded and aggregate all ruler records."""
+    """Evaluate every (family, length, sample, policy) not yet recorded and aggregate all ruler records. The
+    samples of one (family, length) cell are generated together, ``batch_size`` per batch (they have the same
+    length: no padding); their records are written when their batch is done."""
     names = [BASELINE, *ctx.policies]
     units = [(f, n, s) for f in params.families for n in params.lengths for s in range(params.samples)]
     done = ctx.run.done_keys()
@@ -190,26 +206,35 @@ def run(ctx, params: Params) -> dict:
         ctx.progress.log(f"ruler: resuming, {len(units) - len(todo)} of {len(units)} samples already recorded")
     pieces, essay = _pieces(ctx), _essay(ctx, params)
     seed = ctx.cfg.seed if params.seed is None else params.seed
+    cells: dict[tuple[str, int], list[int]] = {}
+    for family, length, s in todo:
+        cells.setdefault((family, length), []).append(s)
     with ctx.progress.task("ruler", total=len(todo) * len(names), unit="tok") as advance:
-        for family, length, s in todo:
-            sample = make_sample(pieces, params, essay, seed=seed, family=family, length=length, sample=s)
+        for (family, length), indices in cells.items():
+            samples = {s: make_sample(pieces, params, essay, seed=seed, family=family, length=length, sample=s)
+                       for s in indices}
             for name in names:
-                key = record_key(family, length, s, name)
-                if key in done:
+                pending = [s for s in indices if record_key(family, length, s, name) not in done]
+                for _ in range(len(indices) - len(pending)):
                     advance(0)
-                    continue
                 policy = None if name == BASELINE else ctx.policies[name]
-                rec = {
-                    "key": key, "task": NAME, "family": family, "length": length, "sample": s, "policy": name,
-                    "metric": FAMILIES[family].metric, "depth": sample.depth,
-                    "answer_depths": list(sample.answer_depths), "prompt_tokens": len(sample.input_ids),
-                    "max_new_tokens": params.budget(family), "answers": list(sample.answers),
-                    "reference": sample.reference,
-                }
-                rec.update(evaluate(ctx.model, ctx.tokenizer, sample, params.budget(family), policy,
-                                    where=sample_words(family, length, s)))
-                ctx.run.append(rec)
-                advance(length)
+                for first in range(0, len(pending), params.batch_size):
+                    chunk = pending[first:first + params.batch_size]
+                    scored = evaluate(ctx.model, ctx.tokenizer, [samples[s] for s in chunk], params.budget(family),
+                                      policy, where=[sample_words(family, length, s) for s in chunk],
+                                      batch_size=params.batch_size)
+                    for s, result in zip(chunk, scored):
+                        sample = samples[s]
+                        rec = {
+                            "key": record_key(family, length, s, name), "task": NAME, "family": family,
+                            "length": length, "sample": s, "policy": name, "metric": FAMILIES[family].metric,
+                            "depth": sample.depth, "answer_depths": list(sample.answer_depths),
+                            "prompt_tokens": len(sample.input_ids), "max_new_tokens": params.budget(family),
+                            "answers": list(sample.answers), "reference": sample.reference,
+                        }
+                        rec.update(result)
+                        ctx.run.append(rec)
+                        advance(length)
     return aggregate(ctx.run.records(), list(ctx.policies), params)
 
 
