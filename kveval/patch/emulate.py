@@ -40,6 +40,12 @@ causally masked anyway), each version part keeping only the tokens some row of t
 token (chunking only reorders float rounding).
 
 Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
+
+Batches: a batch of sequences of one length (no padding) is emulated in one pass, row by row the same as each row
+alone up to float rounding: the schedule depends on positions only, so every row reads the same versions (the
+masks are built once and broadcast over the batch); dynamic quantizer statistics are taken per token, group or
+channel block inside a row (the granularities that span a whole tensor or head take static scales only), and the
+diagnostics are kept per row (``Emulation.diagnostics(row=b)``).
 """
 
 from __future__ import annotations
@@ -119,9 +125,29 @@ class LayerEmulation:
     prefill_len: int = 0
     diagnostics: bool = False
     calls: int = 0
-    key_stats: TensorErrorStats = field(default_factory=TensorErrorStats)
-    value_stats: TensorErrorStats = field(default_factory=TensorErrorStats)
+    #: diagnostics per batch row (one entry per row of the largest batch seen): row ``b`` holds exactly what a
+    #: batch of that row alone would hold, so a batch of windows reports each window's own statistics
+    key_rows: list[TensorErrorStats] = field(default_factory=list)
+    value_rows: list[TensorErrorStats] = field(default_factory=list)
     mask_cache: dict = field(default_factory=dict)  # shared by the layers of one emulate() call
+
+    @property
+    def key_stats(self) -> TensorErrorStats:
+        """The key error statistics over every batch row."""
+        return merged_stats(self.key_rows)
+
+    @property
+    def value_stats(self) -> TensorErrorStats:
+        """The value error statistics over every batch row."""
+        return merged_stats(self.value_rows)
+
+    def _update_stats(self, key, k_hat, value, v_hat) -> None:
+        """Accumulate the error of ``k_hat`` / ``v_hat`` ``[batch, kv_heads, T, head_dim]`` per batch row."""
+        for rows in (self.key_rows, self.value_rows):
+            rows.extend(TensorErrorStats() for _ in range(key.shape[0] - len(rows)))
+        for b in range(key.shape[0]):
+            self.key_rows[b].update(key[b:b + 1], k_hat[b:b + 1])
+            self.value_rows[b].update(value[b:b + 1], v_hat[b:b + 1])
 
     @property
     def key_spec(self) -> QuantSpec:
@@ -202,8 +228,7 @@ class LayerEmulation:
         v_hat = quantized_version(value, self.value_q, pol.schedule("value"), rope, value_fp, prompt)
         key, value = key_fp, value_fp
         if self.diagnostics:
-            self.key_stats.update(key, k_hat)
-            self.value_stats.update(value, v_hat)
+            self._update_stats(key, k_hat, value, v_hat)
         if not self.policy.has_full_precision_tokens(self.prefill_len):
             return compute(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
         # with an FP prefill, the P prompt queries see only full-precision keys: they run the model's own attention
@@ -265,6 +290,25 @@ class LayerEmulation:
                        *args, key_positions=torch.cat(positions), **kwargs)
 
 
+def merged_stats(rows: list[TensorErrorStats]) -> TensorErrorStats:
+    """The statistics of several batch rows as one (sums added, maxima taken); one row is returned as it is."""
+    if len(rows) == 1:
+        return rows[0]
+    out = TensorErrorStats()
+    for r in rows:
+        if r._n_updates == 0:
+            continue
+        out.sum_sq_err += r.sum_sq_err
+        out.sum_sq += r.sum_sq
+        out.max_abs_err = max(out.max_abs_err, r.max_abs_err)
+        if r.channel_abs_sum is not None:
+            out.channel_abs_sum = (r.channel_abs_sum.clone() if out.channel_abs_sum is None
+                                   else out.channel_abs_sum + r.channel_abs_sum)
+        out.count += r.count
+        out._n_updates += r._n_updates
+    return out
+
+
 class Emulation:
     """The handle ``emulate()`` yields: per-layer states, counts, and the diagnostics."""
 
@@ -276,15 +320,17 @@ class Emulation:
         """How many attention layers quantize K or V (layers whose specs are both ``none`` are not counted)."""
         return sum(1 for s in self.states if s.quantizes)
 
-    def diagnostics(self) -> list[dict]:
-        """Per layer: relative MSE, SQNR (dB), max |error| and the top outlier channels, for K and for V."""
+    def diagnostics(self, row: int | None = None) -> list[dict]:
+        """Per layer: relative MSE, SQNR (dB), max |error| and the top outlier channels, for K and for V; over
+        every batch row (``row`` None), or of batch row ``row`` alone (a batch of windows: each window's own)."""
         out = []
         for s in self.states:
-            row = {"layer": s.layer_idx}
-            for name, stats in (("key", s.key_stats), ("value", s.value_stats)):
+            entry = {"layer": s.layer_idx}
+            for name, rows in (("key", s.key_rows), ("value", s.value_rows)):
+                stats = merged_stats(rows) if row is None else rows[row] if row < len(rows) else TensorErrorStats()
                 for k, v in stats.summary().items():
-                    row[f"{name}_{k}"] = v
-            out.append(row)
+                    entry[f"{name}_{k}"] = v
+            out.append(entry)
         return out
 
 

@@ -22,6 +22,18 @@ the policy against the variant's own full-precision-cache logits (the KV effect 
 with the interaction fields of :func:`kveval.weights.interaction_fields`. The noise floor and the per-layer
 diagnostics are measured on the checkpoint's weights only.
 
+Throughput (``batch_size``, default 1): ``batch_size`` windows run in one forward pass, for the baseline, under
+each policy (``emulate`` takes a batch: every row reads the same versions, see :mod:`kveval.patch.emulate`) and
+under each weight variant; a batch runs a policy only over its windows that miss that policy's record, so a resumed
+batch recomputes only what is missing. The records are the same, one per (window, policy), whatever the batch
+size, and so are the numbers up to float rounding (float64: ~1e-12). The noise floor decodes one window at a time
+whatever ``batch_size`` says (its cost is the token-by-token decoding). The logits held at once grow with the
+batch: ``batch_size x seq_len x vocab`` floats for the baseline and again for a policy's pass (docs/scale.md).
+On CUDA, each record carries ``cuda_peak_bytes``, the peak of ``torch.cuda.max_memory_allocated`` over the model's
+GPUs during the pass that computed it (the statistics reset before each pass; the allocator's cache emptied after
+each); metrics give ``cuda_peak_memory_bytes`` per policy (and for the baseline): the largest over its records.
+Off CUDA nothing is recorded and nothing is called.
+
 NaN or infinity in the logits stops the run with one line before that window's records are written (metrics are
 never NaN): in the baseline's logits it is the model's fault (overflowing weights or activations, e.g. float16),
 in a policy's logits (or in the keys/values its quantizer is given) the quantizer's or the emulation's. The noise
@@ -31,9 +43,10 @@ floor's decoded logits are checked the same way (:mod:`kveval.tasks._finite`, th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from kveval.data import token_windows
 from kveval.errors import KvevalError
@@ -58,6 +71,16 @@ class Params(Strict):
     bootstrap: int = Field(1000, ge=0)
     diagnostics: bool = True
     noise_windows: int = Field(0, ge=0)
+    batch_size: int = Field(1, gt=0)
+
+    @model_serializer(mode="wrap")
+    def _omit_default_batch(self, handler):
+        """``batch_size`` is left out of the dumped form at its default, so that the resolved config of a run
+        folder written before the field existed still matches (its runs resume)."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("batch_size") == 1:
+            del data["batch_size"]
+        return data
 
     @model_validator(mode="after")
     def _stride_fits(self):
@@ -142,10 +165,71 @@ def _check_finite(logits: torch.Tensor, window, name: str, dtype: str, offset: i
                         quantized_by=None if name == BASELINE else f"policy '{name}'")
 
 
-def run(ctx, params: Params) -> dict:
-    """Evaluate every (window, policy) not yet recorded, then aggregate all records into metrics."""
-    from kveval.patch import emulate
+def _batches(windows: list, size: int) -> Iterator[list]:
+    """``windows`` in groups of at most ``size`` of one length (every window of ``token_windows`` has the same
+    length; a group never mixes lengths, so a batch needs no padding), in order; the last group may be shorter."""
+    group: list = []
+    for w in windows:
+        if group and (len(group) == size or len(w.input_ids) != len(group[0].input_ids)):
+            yield group
+            group = []
+        group.append(w)
+    if group:
+        yield group
 
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The metric logits (:func:`_metric`) of every position but the last, ``[batch, T - 1, vocab]``, of one forward
+    pass over ``ids`` ``[batch, T]`` (under whatever patch the caller holds)."""
+    return _metric(model(ids).logits[:, :-1])
+
+
+def _is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+class DeviceMemory:
+    """Peak memory of each forward pass and freeing between passes, on CUDA; nothing on other devices.
+
+    ``start()`` before a pass resets the peak statistics of the model's GPUs; ``peak()`` after it is the largest
+    ``torch.cuda.max_memory_allocated`` among them since (None off CUDA); ``free()`` after the pass's tensors are
+    dropped returns the allocator's cached blocks (``torch.cuda.empty_cache``), so that one policy's pass does not
+    keep memory reserved for the next one."""
+
+    def __init__(self, model):
+        devices = {p.device for p in model.parameters()} or {torch.device(model.device)}
+        self.devices = sorted((d for d in devices if _is_cuda(d)), key=str)
+
+    def start(self) -> None:
+        for d in self.devices:
+            torch.cuda.reset_peak_memory_stats(d)
+
+    def peak(self) -> int | None:
+        return max(int(torch.cuda.max_memory_allocated(d)) for d in self.devices) if self.devices else None
+
+    def free(self) -> None:
+        if self.devices:
+            torch.cuda.empty_cache()
+
+
+def _with_peak(rec: dict, peak: int | None) -> dict:
+    """``rec`` with ``cuda_peak_bytes`` (the pass's peak on CUDA; off CUDA the record is left as it is)."""
+    if peak is not None:
+        rec["cuda_peak_bytes"] = peak
+    return rec
+
+
+def _where_batch(batch: list, offset: int) -> str:
+    """The windows of one forward pass in words (one window: :func:`_where`)."""
+    if len(batch) == 1:
+        return _where(batch[0], offset)
+    return (f"windows {', '.join(str(w.index) for w in batch)} (one batch; corpus tokens "
+            f"{batch[0].start + offset}-{batch[-1].end + offset})")
+
+
+def run(ctx, params: Params) -> dict:
+    """Evaluate every (window, policy) not yet recorded, ``batch_size`` windows per forward pass, then aggregate
+    all records into metrics."""
     tokens = ctx.tokens()[params.start_token:]
     windows = list(token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens))
     names = [BASELINE, *ctx.policies]
@@ -159,94 +243,152 @@ def run(ctx, params: Params) -> dict:
     if len(todo) < len(windows):
         ctx.progress.log(f"perplexity: resuming, {len(windows) - len(todo)} of {len(windows)} windows already recorded")
 
-    model = ctx.model
+    memory = DeviceMemory(ctx.model)
     total = len(todo) * len(names) * (1 + len(variants))
     with ctx.progress.task("perplexity", total=total, unit="tok") as advance:
-        for w in todo:
-            ids = w.input_ids.to(model.device)
-            targets = ids[1:]
-            # logits positions whose next token is scored (window.score_from indexes the first scored target): the
-            # position in the window, i.e. the tokens the cache holds before the prediction, minus one
-            scored = torch.arange(w.score_from - 1, len(ids) - 1, device=ids.device)
-            rows = slice(w.score_from - 1, len(ids) - 1)  # the same rows, as a view (no copy of [n, vocab] logits)
-            with torch.no_grad():
-                base = _metric(model(ids[None]).logits[0, :-1])
-            base_scored = base[rows]
-            _check_finite(base_scored, w, BASELINE, ctx.cfg.model.dtype, params.start_token)
-            tgt = targets[scored]
-            for name in names:
-                key = _record_key(w.index, name)
-                if key in done:
-                    advance(0)
-                    continue
-                diag = None
-                if name == BASELINE:
-                    metrics = _compare(base_scored, base_scored, tgt)
-                else:
-                    policy = ctx.policies[name]
-                    with finite_quantizer_inputs(_where(w, params.start_token), f"policy '{name}'"):
-                        with emulate(model, policy, prefill_len=params.prefill_tokens,
-                                     diagnostics=params.diagnostics) as emu, torch.no_grad():
-                            logits = _metric(model(ids[None]).logits[0, :-1])
-                    _check_finite(logits[rows], w, name, ctx.cfg.model.dtype, params.start_token)
-                    metrics = _compare(base_scored, logits[rows], tgt)
-                    del logits
-                    diag = emu.diagnostics() if params.diagnostics else None
-                    layers_quantized = emu.layers_quantized
-                rec = _window_record(w, name, {k: v.cpu() for k, v in metrics.items()}, scored.cpu(), params)
-                if diag is not None:
-                    rec["layers_quantized"] = layers_quantized
-                    rec["layer_errors"] = diag
-                ctx.run.append(rec)
-                advance(len(ids))
-            for vname, variant in variants.items():
-                _weight_variant_window(ctx, params, w, vname, variant, base_scored, scored, tgt, names, done,
-                                       advance)
+        for batch in _batches(todo, params.batch_size):
+            _score_batch(ctx, params, batch, names, done, advance, memory)
+    memory.free()  # the last batch's baseline logits
     _noise_floor(ctx, params, windows[: params.noise_windows], names)
     return aggregate(ctx.run.records(), list(ctx.policies), params, seed=ctx.cfg.seed, threshold=ctx.cfg.threshold,
                      weights=list(variants))
 
 
-def _weight_variant_window(ctx, params: Params, w, vname: str, variant, base_scored: torch.Tensor,
-                           scored: torch.Tensor, tgt: torch.Tensor, names: list[str], done, advance) -> None:
-    """One window under weight variant ``vname``: the variant with the full-precision cache, then with each policy,
-    every one against the FP baseline's logits ``base_scored`` ``[n_scored, vocab]``; records not yet in ``done``
-    are appended (the variant's weights are swapped in once for the window and restored on exit)."""
+class _Scored:
+    """What one window of a batch scores: the logits rows ``rows`` (a slice: positions ``score_from - 1`` ..
+    ``T - 2``, a view, no copy of ``[n, vocab]`` logits), the same positions as a tensor ``positions`` (the position
+    in the window, i.e. the tokens the cache holds before the prediction, minus one) and the targets ``tgt``."""
+
+    def __init__(self, w, ids: torch.Tensor):
+        T = ids.shape[-1]
+        self.rows = slice(w.score_from - 1, T - 1)
+        self.positions = torch.arange(w.score_from - 1, T - 1)
+        self.tgt = ids[1:][self.rows]
+
+
+def _score_batch(ctx, params: Params, batch: list, names: list[str], done, advance, memory: DeviceMemory) -> None:
+    """The windows ``batch`` (of one length): the FP baseline once over the whole batch, then each policy over the
+    windows that miss its record (a resumed batch recomputes only those rows; a policy every window of the batch
+    has recorded does not run), then each weight variant; records not yet in ``done`` are appended."""
     from kveval.patch import emulate
 
-    keys = {n: _weights_key(w.index, vname, n) for n in names}
-    if all(k in done for k in keys.values()):
+    model = ctx.model
+    dtype = ctx.cfg.model.dtype
+    ids = torch.stack([w.input_ids for w in batch]).to(model.device)  # [B, T]
+    scored = [_Scored(w, ids[i]) for i, w in enumerate(batch)]
+    memory.start()
+    with torch.no_grad():
+        base = _logits(model, ids)  # [B, T - 1, vocab], kept for every policy of the batch
+    base_peak = memory.peak()
+    for i, w in enumerate(batch):
+        _check_finite(base[i, scored[i].rows], w, BASELINE, dtype, params.start_token)
+    memory.free()
+    for name in names:
+        need = [i for i, w in enumerate(batch) if _record_key(w.index, name) not in done]
+        for _ in range(len(batch) - len(need)):
+            advance(0)
+        if not need:
+            continue
+        if name == BASELINE:
+            for i in need:
+                s = scored[i]
+                metrics = _compare(base[i, s.rows], base[i, s.rows], s.tgt)
+                ctx.run.append(_with_peak(_window_record(batch[i], name, _cpu(metrics), s.positions, params),
+                                          base_peak))
+                advance(ids.shape[1])
+            continue
+        part = [batch[i] for i in need]
+        memory.start()
+        with finite_quantizer_inputs(_where_batch(part, params.start_token), f"policy '{name}'"):
+            with emulate(model, ctx.policies[name], prefill_len=params.prefill_tokens,
+                         diagnostics=params.diagnostics) as emu, torch.no_grad():
+                logits = _logits(model, ids if len(need) == len(batch) else ids[need])
+        peak = memory.peak()
+        for j, i in enumerate(need):
+            _check_finite(logits[j, scored[i].rows], batch[i], name, dtype, params.start_token)
+        for j, i in enumerate(need):
+            s = scored[i]
+            metrics = _compare(base[i, s.rows], logits[j, s.rows], s.tgt)
+            rec = _with_peak(_window_record(batch[i], name, _cpu(metrics), s.positions, params), peak)
+            if params.diagnostics:
+                rec["layers_quantized"] = emu.layers_quantized
+                rec["layer_errors"] = emu.diagnostics(row=j)
+            ctx.run.append(rec)
+            advance(ids.shape[1])
+        del logits, emu
+        memory.free()
+    for vname, variant in (getattr(ctx, "weights", None) or {}).items():
+        _weight_variant_batch(ctx, params, batch, ids, vname, variant, base, scored, names, done, advance, memory)
+
+
+def _cpu(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.cpu() for k, v in metrics.items()}
+
+
+def _weight_variant_batch(ctx, params: Params, batch: list, ids: torch.Tensor, vname: str, variant,
+                          base: torch.Tensor, scored: list[_Scored], names: list[str], done, advance,
+                          memory: DeviceMemory) -> None:
+    """The windows ``batch`` (``ids`` ``[B, T]``) under weight variant ``vname``: the variant with the
+    full-precision cache, then with each policy, every one against the FP baseline's logits ``base`` ``[B, T - 1,
+    vocab]``, over the windows that miss the record; records not yet in ``done`` are appended (the variant's
+    weights are swapped in once for the batch and restored on exit)."""
+    from kveval.patch import emulate
+
+    keys = [{n: _weights_key(w.index, vname, n) for n in names} for w in batch]
+    rows = [i for i in range(len(batch)) if any(k not in done for k in keys[i].values())]
+    for _ in range(len(batch) - len(rows)):
         advance(0)
+    if not rows:
         return
     model = ctx.model
-    ids = w.input_ids.to(model.device)
-    where = _where(w, params.start_token)
+    dtype = ctx.cfg.model.dtype
+    vids = ids if len(rows) == len(batch) else ids[rows]
     who = f"weight variant '{vname}'"
     with variant.applied(model), torch.no_grad():
-        with finite_quantizer_inputs(where, who):
-            wlogits = _metric(model(ids[None]).logits[0, :-1])[scored]
-        check_finite_logits(wlogits, where=where, dtype=ctx.cfg.model.dtype, quantized_by=who)
+        memory.start()
+        with finite_quantizer_inputs(_where_batch([batch[i] for i in rows], params.start_token), who):
+            wlogits = _logits(model, vids)  # [len(rows), T - 1, vocab]
+        wpeak = memory.peak()
+        for r, i in enumerate(rows):
+            check_finite_logits(wlogits[r, scored[i].rows], where=_where(batch[i], params.start_token), dtype=dtype,
+                                quantized_by=who)
+        memory.free()
         for name in names:
-            if keys[name] in done:
+            need = [r for r, i in enumerate(rows) if keys[i][name] not in done]
+            for _ in range(len(rows) - len(need)):
                 advance(0)
+            if not need:
                 continue
-            extra = {}
             if name == BASELINE:
-                metrics = compare_logits(base_scored, wlogits, tgt)
-            else:
-                who_both = f"weight variant '{vname}' with policy '{name}'"
-                with finite_quantizer_inputs(where, who_both):
-                    with emulate(model, ctx.policies[name], prefill_len=params.prefill_tokens):
-                        logits = _metric(model(ids[None]).logits[0, :-1])[scored]
-                check_finite_logits(logits, where=where, dtype=ctx.cfg.model.dtype, quantized_by=who_both)
-                metrics = compare_logits(base_scored, logits, tgt)
-                on_weights = compare_logits(wlogits, logits, tgt)  # the KV effect measured on quantized weights
-                extra = {"kld_vs_weights_sum": float(on_weights["kld"].sum()),
-                         "agree_vs_weights_sum": float(on_weights["agree"].sum())}
-            rec = _window_record(w, name, {k: v.cpu() for k, v in metrics.items()}, scored.cpu(), params)
-            rec.update(key=keys[name], weights=vname, **extra)
-            ctx.run.append(rec)
-            advance(len(ids))
+                for r in need:
+                    i, s = rows[r], scored[rows[r]]
+                    metrics = _compare(base[i, s.rows], wlogits[r, s.rows], s.tgt)
+                    rec = _window_record(batch[i], name, _cpu(metrics), s.positions, params)
+                    rec.update(key=keys[i][name], weights=vname)
+                    ctx.run.append(_with_peak(rec, wpeak))
+                    advance(ids.shape[1])
+                continue
+            who_both = f"weight variant '{vname}' with policy '{name}'"
+            part = [batch[rows[r]] for r in need]
+            memory.start()
+            with finite_quantizer_inputs(_where_batch(part, params.start_token), who_both):
+                with emulate(model, ctx.policies[name], prefill_len=params.prefill_tokens):
+                    logits = _logits(model, vids if len(need) == len(rows) else vids[need])
+            peak = memory.peak()
+            for j, r in enumerate(need):
+                check_finite_logits(logits[j, scored[rows[r]].rows], where=_where(batch[rows[r]], params.start_token),
+                                    dtype=dtype, quantized_by=who_both)
+            for j, r in enumerate(need):
+                i, s = rows[r], scored[rows[r]]
+                metrics = _compare(base[i, s.rows], logits[j, s.rows], s.tgt)
+                on_weights = _compare(wlogits[r, s.rows], logits[j, s.rows], s.tgt)  # the KV effect on Ŵ
+                rec = _window_record(batch[i], name, _cpu(metrics), s.positions, params)
+                rec.update(key=keys[i][name], weights=vname, kld_vs_weights_sum=float(on_weights["kld"].sum()),
+                           agree_vs_weights_sum=float(on_weights["agree"].sum()))
+                ctx.run.append(_with_peak(rec, peak))
+                advance(ids.shape[1])
+            del logits
+            memory.free()
 
 
 def _noise_floor(ctx, params: Params, windows: list, names: list[str]) -> None:
@@ -351,6 +493,9 @@ def _summarise(records: list[dict], params: Params, seed: int) -> dict:
         ],
         "position_bin_edges": [params.seq_len * i // bins for i in range(bins + 1)],
     }
+    peaks = [r["cuda_peak_bytes"] for r in records if r.get("cuda_peak_bytes") is not None]
+    if peaks:  # on CUDA: the largest peak of the passes that computed these records (DeviceMemory)
+        out["cuda_peak_memory_bytes"] = max(peaks)
     layers = _layer_summary(records)
     if layers:
         out["layers_quantized"] = records[0].get("layers_quantized")
