@@ -390,6 +390,20 @@ def test_run_through_the_cli_writes_records_metrics_and_resumes(tmp_path, monkey
     drawn = sorted((out / "plots").glob("ruler_*.png"))
     assert [p.name for p in drawn] == ["ruler_baseline.png", "ruler_int2_g32.png"]
     assert all(p.stat().st_size > 1000 for p in drawn)
+    # the report: a RULER section with the family x length table (scores from metrics.json), the figures, a reading
+    report = (out / "report.md").read_text()
+    section = report[report.index("## RULER"):]
+    cells = {(c["family"], c["length"]): c for c in q["ruler_cells"]}
+    base = {(c["family"], c["length"]): c for c in metrics["baseline"]["ruler_cells"]}
+    for (family, length), c in cells.items():
+        row = f"| {family} | {length} | 1 | {base[(family, length)]['score']:.1f} | {c['score']:.1f} ({-c['drop'] + 0.0:+.1f}) |"
+        assert row in section, row
+    assert "![RULER int2_g32](plots/ruler_int2_g32.png)" in section
+    assert f"RULER score (points, all samples): baseline {metrics['baseline']['ruler_score']:.1f}, int2_g32 " in report
+    html = (out / "report.html").read_text()
+    assert html.count('alt="RULER ') == 2 and "data:image/png;base64," in html
+    csv = (out / "tables" / "ruler.csv").read_text().splitlines()
+    assert csv[0] == "run,policy,family,length,samples,score,drop,logprob,logprob_delta,verdict" and len(csv) == 5
 
     # resume: nothing is recomputed when everything is recorded; a lost record is recomputed alone
     calls = []

@@ -25,7 +25,7 @@ import pandas as pd
 from kveval.errors import KvevalError
 from kveval.fileio import atomic_write_text
 from kveval.report import plots, tables
-from kveval.report.task_figures import write_task_figures
+from kveval.report.task_figures import ruler_figure_name, write_task_figures
 from kveval.results import BASELINE, PLOTS_DIR, TABLES_DIR, RunResults, load, lock_folder
 from kveval.results.layout import REPORT_FILES
 
@@ -84,12 +84,12 @@ def report_command(run_dirs: Sequence[str | Path], out: str | Path | None = None
                      hint="give another folder with -o"):
         _check_targets(out)
         try:
+            if len(runs) == 1:  # first: the report's RULER section shows (and the HTML embeds) these figures
+                write_task_figures(runs[0], out)
             blocks = build(runs, out)
             title = f"kveval report: {', '.join(r.name for r in runs)}"
             atomic_write_text(out / "report.md", to_markdown(blocks))
             atomic_write_text(out / "report.html", to_html(blocks, title, out))
-            if len(runs) == 1:
-                write_task_figures(runs[0], out)
         except OSError as exc:
             raise KvevalError(f"cannot write the report into {out}: {exc.strerror or exc}; make it writable, or "
                               "give another folder with -o") from None
@@ -147,7 +147,7 @@ def _dedupe_names(runs: list[RunResults]) -> None:
         seen[r.name] = n + 1
         if n:
             r.name = f"{r.name}-{n + 1}"
-            for df in (r.summary, r.positions, r.layers, r.needle, r.sensitivity, r.memory, r.task_entries):
+            for df in (r.summary, r.positions, r.layers, r.needle, r.ruler, r.sensitivity, r.memory, r.task_entries):
                 if "run" in df:
                     df["run"] = r.name
 
@@ -196,6 +196,7 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
                        caption=f"The policies under {label} alone, against the same threshold (a later entry of a "
                                "task kind already in the config; the tables above are the first entry's)"))
     b.extend(_weights_blocks(r, out, prefix, sub))
+    b.extend(_ruler_blocks(r, out, sub))
     planned = tables.plan_table(r)
     if not planned.empty:
         plan = r.metrics["plan"]
@@ -253,6 +254,48 @@ def _weights_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[B
     fig = plots.weights_x_kv(r)
     if fig is not None:
         b.append(_img(fig, out, prefix + "weights_x_kv", CAPTIONS["weights_x_kv"], alt="Weights x KV cache"))
+    return b
+
+
+def _ruler_reading(r: RunResults) -> list[str]:
+    """One sentence on RULER: each entry's score over all samples, a policy's verdict and its worst family."""
+    entries = {BASELINE: r.metrics.get(BASELINE) or {}, **(r.metrics.get("policies") or {})}
+    parts = []
+    for name, m in entries.items():
+        if not isinstance(m, dict) or not _ok(m.get("ruler_score")):
+            continue
+        text = f"{name} {m['ruler_score']:.1f}"
+        families = m.get("ruler_families") or {}
+        worst = max(((f, v) for f, v in families.items() if isinstance(v, dict) and _ok(v.get("worst_drop"))),
+                    key=lambda fv: fv[1]["worst_drop"], default=None)
+        if name != BASELINE and m.get("ruler_verdict"):
+            text += f" ({m['ruler_verdict']}"
+            if worst is not None and worst[1]["worst_drop"] > 0:
+                text += f"; {worst[0]} loses {worst[1]['worst_drop']:.1f} points at {worst[1].get('worst_length')} tokens"
+            text += ")"
+        parts.append(text)
+    return ["RULER score (points, all samples): " + ", ".join(parts) + "."] if parts else []
+
+
+def _ruler_blocks(r: RunResults, out: Path, level: int) -> list[Block]:
+    """The RULER section (runs with a ruler task): the family × length table of scores with each policy's change
+    and each family's verdict, and the heatmaps that :func:`kveval.report.task_figures.plot_ruler` drew into
+    ``plots/`` (those that exist: a report of several runs, or a ruler task with ``plots: false``, has none)."""
+    table = tables.ruler_table(r)
+    if table.empty:
+        return []
+    params = (r.task_params("ruler") or [{}])[0]
+    max_drop = params.get("max_drop", 5.0)
+    b = [Block("h", "RULER (synthetic long context)", level),
+         Block("table", table, caption=f"RULER score in points (0-100, greedy generation through the real quantized "
+                                       f"cache, RULER's string match), in brackets the change against the baseline; "
+                                       f"a family fails when it loses more than {max_drop:g} points at some length")]
+    for name in dict.fromkeys(r.ruler["policy"]):
+        rel = f"{PLOTS_DIR}/{ruler_figure_name(name)}"
+        if (out / rel).is_file():
+            b.append(Block("img", (rel, f"RULER {name}"),
+                           caption=f"{name}: score, {'change against the baseline, ' if name != BASELINE else ''}"
+                                   "answer log-probability per token, by family and length"))
     return b
 
 
@@ -481,6 +524,7 @@ def reading_of(r: RunResults) -> list[str]:
         out.append("Needle retrieval accuracy: " + (f"baseline {base_acc:.2f}, " if _ok(base_acc) else "")
                    + ", ".join(parts) + ".")
     out.extend(_weights_reading(r))
+    out.extend(_ruler_reading(r))
     if not r.sensitivity.empty and r.sensitivity["kld"].notna().any():
         sc = r.sensitivity.dropna(subset=["kld"]).sort_values("kld", ascending=False)
         top = [f"layer {int(c['layer'])} {c['tensor']}s ({c['spec']}, KLD {_g(c['kld'])})" for _, c in

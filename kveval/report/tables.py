@@ -114,6 +114,34 @@ WEIGHTS_COLUMNS = [
 ]
 
 
+def ruler_table(res: RunResults) -> pd.DataFrame:
+    """RULER per family × length (rows) and policy (columns, the baseline first): the score in points (0..100)
+    over the cell's samples, a policy's change against the baseline in brackets (negative: points lost), and each
+    family's verdict on its first row. Empty when the run has no ruler task."""
+    df = res.ruler
+    if df.empty:
+        return pd.DataFrame()
+    names = list(dict.fromkeys(df["policy"]))
+    rows = []
+    for (family, length), cell in df.groupby(["family", "length"], sort=False):
+        row = {"family": family, "length": int(length), "samples": int(cell["samples"].max())}
+        for name in names:
+            hit = cell[cell["policy"] == name]
+            if not len(hit):
+                row[name] = ""
+                continue
+            h = hit.iloc[0]
+            row[name] = _f(h["score"], ".1f") + ("" if name == BASELINE or not _ok(h["drop"])
+                                                else f" ({_f(-float(h['drop']) + 0.0, '+.1f')})")
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    verdicts = df[df["policy"] != BASELINE].groupby(["family", "policy"], sort=False)["verdict"].first()
+    for name in names[1:] if names and names[0] == BASELINE else names:
+        out[f"{name} verdict"] = [verdicts.get((f, name), "") if i == 0 or out["family"].iloc[i - 1] != f else ""
+                                  for i, f in enumerate(out["family"])]
+    return out
+
+
 def weights_frame(res: RunResults) -> pd.DataFrame:
     """The weights x KV interaction of a run (``metrics["weights"]``) as numbers: one row per (weight variant, KV
     policy), ``WEIGHTS_COLUMNS``; the row of policy ``baseline`` is the variant with the full-precision cache (the
@@ -194,7 +222,7 @@ def _with_ci(r, name: str, spec: str) -> str:
 
 def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
     """Write ``summary.csv``, ``positions.csv``, ``layers.csv``, ``memory.csv`` and, when present,
-    ``needle.csv``, ``sensitivity.csv``, ``task_entries.csv`` (the later entries of a repeated task kind, one
+    ``needle.csv``, ``ruler.csv``, ``sensitivity.csv``, ``task_entries.csv`` (the later entries of a repeated task kind, one
     row per entry and policy) and ``weights_x_kv.csv`` (:func:`weights_frame`) (all runs concatenated, a ``run``
     column first); returns name -> path."""
     tables_dir = Path(tables_dir)
@@ -206,12 +234,13 @@ def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
         "layers": pd.concat([r.layers for r in runs], ignore_index=True),
         "memory": pd.concat([r.memory for r in runs], ignore_index=True),
         "needle": pd.concat([r.needle for r in runs], ignore_index=True),
+        "ruler": pd.concat([r.ruler for r in runs], ignore_index=True),
         "sensitivity": pd.concat([r.sensitivity for r in runs], ignore_index=True),
         "task_entries": task_entries(runs),
         "weights_x_kv": pd.concat([weights_frame(r) for r in runs], ignore_index=True),
     }
     for name, df in frames.items():
-        if df.empty and name in ("needle", "sensitivity", "task_entries", "weights_x_kv"):
+        if df.empty and name in ("needle", "ruler", "sensitivity", "task_entries", "weights_x_kv"):
             continue
         path = tables_dir / f"{name}.csv"
         atomic_write_text(path, csv_safe(df).to_csv(index=False))
@@ -316,7 +345,7 @@ def _f(v, spec: str, prefix: str = "", suffix: str = "") -> str:
 
 
 __all__ = ["summary", "verdict_table", "task_entries", "task_entry_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
-           "md_cell", "csv_safe", "csv_safe_cell", "weights_frame", "weights_table", "WEIGHTS_COLUMNS"]
+           "md_cell", "csv_safe", "csv_safe_cell", "weights_frame", "weights_table", "WEIGHTS_COLUMNS", "ruler_table"]
 
 
 def plan_table(res: RunResults) -> pd.DataFrame:

@@ -222,6 +222,11 @@ def _ruler_panel(ax, cells: Sequence[dict], field: str, families: list[str], len
     return grid
 
 
+def ruler_figure_name(name: str) -> str:
+    """The file name of ``name``'s RULER heatmaps in ``plots/`` (``ruler_<name>.png``)."""
+    return f"ruler_{_safe(name)}.png"
+
+
 def plot_ruler(metrics: dict, out_dir: str | Path) -> list[Path]:
     """Heatmaps (family × length) from metrics.json's ``ruler_cells``, one ``ruler_<name>.png`` per policy and the
     baseline: RULER score (0..100) and answer log-prob per token; a policy's figure adds its drop against the
@@ -257,8 +262,8 @@ def plot_ruler(metrics: dict, out_dir: str | Path) -> list[Path]:
         _ruler_panel(axes[-1], cells, "logprob", families, lengths, f"{name}: answer log-prob / token", "viridis",
                      lp_lo, lp_hi, ".2f")
         fig.tight_layout()
-        written.append(_save(fig, out_dir / f"ruler_{_safe(name)}.png"))
+        written.append(_save(fig, out_dir / ruler_figure_name(name)))
     return written
 
 
-__all__ += ["plot_ruler"]
+__all__ += ["plot_ruler", "ruler_figure_name"]

@@ -40,6 +40,10 @@ SUMMARY_COLUMNS = [
 ]
 POSITION_COLUMNS = ["run", "policy", "bin", "start", "end", "center", "loss", "delta_loss", "kld"]
 NEEDLE_COLUMNS = ["run", "policy", "context", "depth", "accuracy", "logprob", "token_acc"]
+#: Columns of ``RunResults.ruler``: one row per (policy, family, length) of metrics.json's ``ruler_cells``, with
+#: the family's verdict (``pass`` | ``fail``; empty for the baseline).
+RULER_COLUMNS = ["run", "policy", "family", "length", "samples", "score", "drop", "logprob", "logprob_delta",
+                 "verdict"]
 SENSITIVITY_COLUMNS = ["run", "layer", "tensor", "spec", "kld", "delta_ppl_pct"]
 MEMORY_COLUMNS = ["run", "policy", "context", "codes", "scales", "residual", "total", "bytes_per_token"]
 #: Columns of ``RunResults.task_entries``: the summary columns of a later task entry of a kind already in the
@@ -66,6 +70,9 @@ class RunResults:
     * ``layers``: one row per (policy, layer): ``layer`` and the ``key_*`` / ``value_*`` error columns of
       ``layer_errors`` (``*_rel_mse``, ``*_sqnr_db``, ``*_max_abs_err``, ``*_outlier_channels``, ``*_outlier_ratio``).
     * ``needle``: one row per (policy, context, depth) when the needle task ran (``NEEDLE_COLUMNS``), else empty.
+    * ``ruler``: one row per (policy, family, length) when the ruler task ran (``RULER_COLUMNS``: ``score`` in
+      points 0..100, ``drop`` against the baseline, answer ``logprob`` per token and its delta, the family's
+      ``verdict``), else empty.
     * ``sensitivity``: the scan cells (``layer``, ``tensor`` "key"|"value", ``spec``, ``kld``, ``delta_ppl_pct``)
       when a sensitivity scan ran, else empty.
     * ``memory``: the memory bill per policy at ``context`` tokens, bytes of ``codes``, ``scales`` (zero points
@@ -89,6 +96,7 @@ class RunResults:
     sensitivity: pd.DataFrame
     memory: pd.DataFrame
     records: pd.DataFrame = field(repr=False)
+    ruler: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=RULER_COLUMNS))
     task_entries: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=TASK_ENTRY_COLUMNS), repr=False)
 
     @property
@@ -394,6 +402,18 @@ def _needle(name: str, metrics: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=NEEDLE_COLUMNS)
 
 
+def _ruler(name: str, metrics: dict) -> pd.DataFrame:
+    rows = []
+    for pname, m in [(BASELINE, metrics.get(BASELINE) or {}), *(metrics.get("policies") or {}).items()]:
+        families = (m or {}).get("ruler_families") or {}
+        for cell in (m or {}).get("ruler_cells") or []:
+            if isinstance(cell, dict):
+                verdict = (families.get(cell.get("family")) or {}).get("verdict") if isinstance(families, dict) else None
+                rows.append({"run": name, "policy": pname, **{c: cell.get(c) for c in RULER_COLUMNS[2:-1]},
+                             "verdict": verdict or ""})
+    return pd.DataFrame(rows, columns=RULER_COLUMNS)
+
+
 def _sensitivity(name: str, metrics: dict) -> pd.DataFrame:
     cells = (metrics.get("sensitivity") or {}).get("cells") or []
     rows = [{"run": name, **{c: cell.get(c) for c in SENSITIVITY_COLUMNS[1:]}} for cell in cells
@@ -420,7 +440,7 @@ def load(run_dir: str | Path) -> RunResults:
             path=path, name=name, metrics=metrics, config=config, env=env,
             summary=_summary(name, metrics, config, memory), positions=_positions(name, metrics),
             layers=_layers(name, metrics), needle=_needle(name, metrics), sensitivity=_sensitivity(name, metrics),
-            memory=memory, records=pd.DataFrame(records),
+            memory=memory, records=pd.DataFrame(records), ruler=_ruler(name, metrics),
             task_entries=_task_entries(name, metrics, config, memory),
         )
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # a hand-edited document
@@ -430,4 +450,4 @@ def load(run_dir: str | Path) -> RunResults:
 
 
 __all__ = ["BASELINE", "RunResults", "load", "read_metrics", "read_config", "read_env", "read_records",
-           "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS", "TASK_ENTRY_COLUMNS"]
+           "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS", "RULER_COLUMNS", "TASK_ENTRY_COLUMNS"]
