@@ -145,3 +145,31 @@ def test_compare_matches_stats_compare_logits():
     assert got["kld_sum"] == pytest.approx(float(ref["kld"].sum()), rel=1e-10)
     assert got["nll_sum"] == pytest.approx(float(ref["nll"].sum()), rel=1e-12)
     assert got["agree_sum"] == float(ref["agree"].sum())
+
+
+def test_the_2026_formats_are_scan_and_plan_candidates(tmp_path):
+    """NVFP4, MXFP4 and TurboQuant's key codebook as scan specs: the prefix-reuse scan equals naive forward passes
+    cell by cell, and ``kveval plan`` builds a mixed policy of them whose exact bill fits the budget."""
+    from kveval.commands.plan import plan_command
+    from kveval.memory import Arch, kv_bytes
+    from kveval.quant import preset
+
+    specs = ["nvfp4", "mxfp4", "turboquant_k4_nc"]
+    path = _config(tmp_path, specs=specs, plots=False)
+    reuse = scan_command(str(path), quiet=True)["sensitivity"]
+    naive = scan_command(str(path), naive=True, quiet=True)["sensitivity"]
+    assert len(reuse["cells"]) == 4 * 2 * 3 and {c["spec"] for c in reuse["cells"]} == set(specs)
+    for a, b in zip(reuse["cells"], naive["cells"]):
+        assert (a["layer"], a["tensor"], a["spec"]) == (b["layer"], b["tensor"], b["spec"])
+        assert a["kld"] == pytest.approx(b["kld"], rel=1e-6, abs=1e-12) and a["kld"] > 0
+    out = tmp_path / "gen" / "plan.yaml"
+    plan_command(str(tmp_path / "out"), "nvfp4", str(out))
+    side = json.loads((tmp_path / "gen" / "plan.plan.json").read_text())
+    planned = load_config(out).policies()["planned"]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    arch = Arch(**metrics["memory"]["arch"])
+    assert kv_bytes(arch, planned, side["context"]).total == side["total_bytes"] <= side["budget_bytes"]
+    used = {s for row in side["layers"] for s in (row["key"], row["value"])}
+    assert used <= set(specs) | {"int8", "none"}
+    for row in side["layers"]:
+        assert planned.specs_for_layer(row["layer"], 4) == (preset(row["key"]), preset(row["value"]))
