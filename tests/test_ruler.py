@@ -477,3 +477,20 @@ def test_batched_generation_gives_each_sample_the_answer_it_gets_alone(tmp_path,
         batched = runs[2][key]
         assert (batched["generated"], batched["score"]) == (alone["generated"], alone["score"]), key
         assert batched["answer_logprob"] == pytest.approx(alone["answer_logprob"], abs=1e-12)
+
+
+def test_a_hand_edited_ruler_cell_fails_the_report_in_one_line(tmp_path):
+    """metrics.json with a RULER score that is not a number, and families that are not a mapping: `kveval report`
+    says so in one line, exit 2, and the run's figures and records stay."""
+    out = tmp_path / "run"
+    run_experiment(validate(tiny_raw(out, families=["niah_single_2"])), quiet=True)
+    records = (out / "records.jsonl").read_bytes()
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["policies"]["int2_g32"]["ruler_cells"][0]["score"] = "abc"
+    metrics["policies"]["int2_g32"]["ruler_families"] = [1, 2]
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    result = CliRunner().invoke(app, ["report", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "could not convert string to float: 'abc'" in lines[0], result.stderr
+    assert (out / "records.jsonl").read_bytes() == records and (out / "plots" / "ruler_int2_g32.png").is_file()
