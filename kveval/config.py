@@ -83,26 +83,16 @@ class ModelConfig(Strict):
     #: ``cuda:N``, ``cpu``); what does not fit goes to disk.
     max_memory: dict[str | int, str | int] | None = None
 
-    @field_validator("device_map")
+    @field_validator("device_map", "max_memory")
     @classmethod
-    def _device_map(cls, value):
-        from kveval.models import check_device_map
+    def _placement_field(cls, value, info):
+        from kveval.models import check_device_map, check_max_memory
 
+        check = check_device_map if info.field_name == "device_map" else check_max_memory
         try:
-            check_device_map(value)
+            check(value)
         except KvevalError as exc:
-            raise ValueError(str(exc)) from None  # reported as model.device_map: ...
-        return value
-
-    @field_validator("max_memory")
-    @classmethod
-    def _max_memory(cls, value):
-        from kveval.models import check_max_memory
-
-        try:
-            check_max_memory(value)
-        except KvevalError as exc:
-            raise ValueError(str(exc)) from None  # reported as model.max_memory: ...
+            raise ValueError(str(exc)) from None  # reported as model.device_map: ... / model.max_memory: ...
         return value
 
     @model_validator(mode="after")
@@ -470,9 +460,10 @@ def _model_classes(annotation) -> list[type[BaseModel]]:
     return []
 
 
-def _fields_at(loc: tuple) -> list[str]:
-    """The valid keys of the mapping at ``loc`` (the location of an unknown key, without the key itself)."""
-    classes: list[type[BaseModel]] = [ExperimentConfig]
+def _fields_at(loc: tuple, root: type[BaseModel]) -> list[str]:
+    """The valid keys of the mapping at ``loc`` (the location of an unknown key, without the key itself) in the
+    schema ``root``."""
+    classes: list[type[BaseModel]] = [root]
     for part in loc:
         if isinstance(part, int):
             continue
@@ -484,12 +475,16 @@ def _fields_at(loc: tuple) -> list[str]:
     return sorted({f for cls in classes for f in cls.model_fields})
 
 
-def _error_line(err: ValidationError) -> str:
-    e = err.errors()[0]
+def schema_error_line(err: ValidationError, root: type[BaseModel], *, unknown_key_first: bool = False) -> str:
+    """One line for a schema error of a document validated against ``root``: the key path, what is wrong, and
+    "did you mean" for an unknown key. ``unknown_key_first``: report an unknown key (a typo) before the other
+    errors, which it may cause; else the first error."""
+    errors = err.errors()
+    e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0]) if unknown_key_first else errors[0]
     loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     where = _loc_text(loc)
     if e["type"] == "extra_forbidden":
-        valid = _fields_at(loc[:-1])
+        valid = _fields_at(loc[:-1], root)
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else (f" (valid keys: {', '.join(valid)})" if valid else "")
         return f"{where}: unknown key{hint}"
@@ -564,7 +559,7 @@ def validate(raw: Any, source: str = "config", overrides: list[str] | None = Non
         raw = _normalise(raw)
         cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as exc:
-        raise KvevalError(f"{source}: {_error_line(exc)}") from None
+        raise KvevalError(f"{source}: {schema_error_line(exc, ExperimentConfig)}") from None
     except KvevalError as exc:
         raise KvevalError(f"{source}: {exc}") from None
     except RecursionError:  # a structure nested past Python's stack (only from Python callers: YAML is capped)

@@ -617,14 +617,14 @@ def context_limit_of(name: str) -> int | None:
 
 def _check_gguf_header(path: Path) -> None:
     """KvevalError unless ``path`` starts with the GGUF magic and a version this reader handles (2 or 3)."""
+    from kveval.weights.gguf_file import GGUF_VERSIONS, read_magic
+
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
+        magic, version = read_magic(path)
     except OSError as e:
         raise KvevalError(f"GGUF file '{path}' cannot be read ({e.strerror or type(e).__name__})") from None
-    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
-    if head[:4] != b"GGUF" or version not in (2, 3):
-        what = "has no GGUF magic" if head[:4] != b"GGUF" else f"is GGUF version {version} (2 and 3 are read)"
+    if magic != b"GGUF" or version not in GGUF_VERSIONS:
+        what = "has no GGUF magic" if magic != b"GGUF" else f"is GGUF version {version} (2 and 3 are read)"
         raise KvevalError(f"'{path}' {what}: not a GGUF model file")
 
 

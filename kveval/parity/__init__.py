@@ -91,3 +91,19 @@ def parse_cache_type(text: str, system: str, prefix: str, sizes) -> tuple[int, i
         raise KvevalError(f"{system} cache type '{text}': expected {choices} with N >= 1 (e.g. {example})")
     return bits, prompt
 
+
+def model_and_ids(system: str, model_name: str, model, ids, start: int, tokens: int):
+    """The model and the ids ``[T]`` a parity run compares on: ``model``/``ids`` as given, else ``model_name``
+    loaded in float32 and, when ``ids`` is None, ``tokens`` ids of the builtin corpus from ``start``. KvevalError
+    (one line, naming ``system``) unless the ids are one-dimensional with T >= 2."""
+    if model is None:
+        from kveval.models import load_model
+
+        model, tok = load_model(model_name, dtype="float32")
+        if ids is None:
+            from kveval.data import load_tokens
+
+            ids = load_tokens("builtin", tok, max_tokens=start + tokens)[start:start + tokens]
+    if ids is None or ids.dim() != 1 or ids.numel() < 2:
+        raise KvevalError(f"{system} parity needs ids [T] with T >= 2")
+    return model, ids

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from kveval.errors import KvevalError
-from kveval.parity import ParityRow, compare, parse_cache_type
-from kveval.parity.hf_quanto import decode_with, emulated_logits, fp_logits
+from kveval.parity import ParityRow, model_and_ids, parse_cache_type
+from kveval.parity.hf_quanto import compare_types, decode_with
 from kveval.policy import KVPolicy
 
 SYSTEM = "hf_hqq"
@@ -146,43 +146,13 @@ def run(model_name: str = "builtin:smollm2-135m", types: list[str] | None = None
     noise only, half the time). ``timings``: filled with wall seconds per step when given."""
     cts = [CacheType.parse(t) for t in (types or DEFAULT_TYPES)]
     clock = time.perf_counter()
-    if model is None:
-        from kveval.models import load_model
-
-        model, tok = load_model(model_name, dtype="float32")
-        if ids is None:
-            from kveval.data import load_tokens
-
-            ids = load_tokens("builtin", tok, max_tokens=start + tokens)[start:start + tokens]
-    if ids is None or ids.dim() != 1 or ids.numel() < 2:
-        raise KvevalError(f"{SYSTEM} parity needs ids [T] with T >= 2")
+    model, ids = model_and_ids(SYSTEM, model_name, model, ids, start, tokens)
     heads, head_dim = _kv_shape(model)
     for ct in cts:
         if ct.prompt >= ids.numel():
             raise KvevalError(f"{SYSTEM} cache type {ct.label}: the prompt must be shorter than the {ids.numel()} ids")
         check_packable(1, heads, head_dim, ct, ids.numel())
-    stamp = {"load": time.perf_counter() - clock}
-    with torch.no_grad():
-        kv_fp = model(ids[None]).logits[0]
-    rows: list[ParityRow] = []
-    ref_fp_by_prompt: dict[int, torch.Tensor] = {}
-    for ct in cts:
-        t0 = time.perf_counter()
-        if ct.prompt not in ref_fp_by_prompt:
-            ref_fp_by_prompt[ct.prompt] = fp_logits(model, ids, ct.prompt) if fp_baseline == "decode" else kv_fp
-        t1 = time.perf_counter()
-        ref = reference_logits(model, ids, ct.nbits, ct.prompt, ct.axis)
-        t2 = time.perf_counter()
-        policy = (policies or {}).get(ct.nbits) or KVPolicy.preset(PRESETS[ct.nbits])
-        kv = emulated_logits(model, ids, policy, ct.prompt)
-        t3 = time.perf_counter()
-        rows.append(compare(SYSTEM, ct.label, policy.name, ids, ref_fp=ref_fp_by_prompt[ct.prompt].float(),
-                            ref=ref.float(), kv_fp=kv_fp.float(), kv=kv.float(), start=ct.prompt,
-                            notes=f"{versions(ct.axis)}; prompt {ct.prompt} then {ids.numel() - ct.prompt} "
-                                  f"single-token calls; {model.dtype}; transformers {t2 - t1:.1f} s, "
-                                  f"kveval {t3 - t2:.2f} s"))
-        stamp[ct.label] = t3 - t0
-    if timings is not None:
-        timings.update(stamp)
-        timings["total"] = time.perf_counter() - clock
-    return rows
+    return compare_types(SYSTEM, model, ids, cts, clock=clock, fp_baseline=fp_baseline, timings=timings,
+                         reference=lambda ct: reference_logits(model, ids, ct.nbits, ct.prompt, ct.axis),
+                         policy=lambda ct: (policies or {}).get(ct.nbits) or KVPolicy.preset(PRESETS[ct.nbits]),
+                         version=lambda ct: versions(ct.axis))

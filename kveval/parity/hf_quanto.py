@@ -34,12 +34,13 @@ dequantized values, which moves them by a few ulps. ``tests/parity/test_hf_quant
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kveval.errors import KvevalError
-from kveval.parity import ParityRow, compare, parse_cache_type
+from kveval.parity import ParityRow, compare, model_and_ids, parse_cache_type
 from kveval.policy import KVPolicy
 
 SYSTEM = "hf_quanto"
@@ -130,21 +131,26 @@ def run(model_name: str = "builtin:smollm2-135m", types: list[str] | None = None
     float32 path noise only, half the time). ``timings``: filled with wall seconds per step when given."""
     cts = [CacheType.parse(t) for t in (types or DEFAULT_TYPES)]
     clock = time.perf_counter()
-    if model is None:
-        from kveval.models import load_model
-
-        model, tok = load_model(model_name, dtype="float32")
-        if ids is None:
-            from kveval.data import load_tokens
-
-            ids = load_tokens("builtin", tok, max_tokens=start + tokens)[start:start + tokens]
-    if ids is None or ids.dim() != 1 or ids.numel() < 2:
-        raise KvevalError("hf_quanto parity needs ids [T] with T >= 2")
+    model, ids = model_and_ids(SYSTEM, model_name, model, ids, start, tokens)
     for ct in cts:
         if ct.prompt >= ids.numel():
             raise KvevalError(f"hf_quanto cache type {ct.label}: the prompt must be shorter than the {ids.numel()} ids")
-    stamp = {"load": time.perf_counter() - clock}
     version = versions()
+    return compare_types(SYSTEM, model, ids, cts, clock=clock, fp_baseline=fp_baseline, timings=timings,
+                         reference=lambda ct: reference_logits(model, ids, ct.nbits, ct.prompt),
+                         policy=lambda ct: (policies or {}).get(ct.nbits) or KVPolicy.preset(PRESETS[ct.nbits]),
+                         version=lambda ct: version)
+
+
+def compare_types(system: str, model, ids: torch.Tensor, cts: list, *, clock: float, fp_baseline: str,
+                  timings: dict[str, float] | None, reference: Callable, policy: Callable,
+                  version: Callable) -> list[ParityRow]:
+    """One :class:`ParityRow` per cache type ``ct`` of ``cts`` (each with ``label`` and ``prompt``): transformers'
+    cache (``reference(ct)``: logits ``[T, vocab]``) against kveval's ``policy(ct)`` under emulation, both against
+    their own full-precision logits (``fp_baseline``: ``"decode"``, the same calls through DynamicCache, once per
+    prompt length, or ``"pass"``, kveval's one pass); ``version(ct)`` opens the row's notes. ``timings`` (when
+    given) gets the seconds since ``clock`` to the first pass (``load``), per type, and in all."""
+    stamp = {"load": time.perf_counter() - clock}
     with torch.no_grad():
         kv_fp = model(ids[None]).logits[0]
     rows: list[ParityRow] = []
@@ -154,15 +160,15 @@ def run(model_name: str = "builtin:smollm2-135m", types: list[str] | None = None
         if ct.prompt not in ref_fp_by_prompt:
             ref_fp_by_prompt[ct.prompt] = fp_logits(model, ids, ct.prompt) if fp_baseline == "decode" else kv_fp
         t1 = time.perf_counter()
-        ref = reference_logits(model, ids, ct.nbits, ct.prompt)
+        ref = reference(ct)
         t2 = time.perf_counter()
-        policy = (policies or {}).get(ct.nbits) or KVPolicy.preset(PRESETS[ct.nbits])
-        kv = emulated_logits(model, ids, policy, ct.prompt)
+        pol = policy(ct)
+        kv = emulated_logits(model, ids, pol, ct.prompt)
         t3 = time.perf_counter()
-        rows.append(compare(SYSTEM, ct.label, policy.name, ids, ref_fp=ref_fp_by_prompt[ct.prompt].float(),
+        rows.append(compare(system, ct.label, pol.name, ids, ref_fp=ref_fp_by_prompt[ct.prompt].float(),
                             ref=ref.float(), kv_fp=kv_fp.float(), kv=kv.float(), start=ct.prompt,
-                            notes=f"{version}; prompt {ct.prompt} then {ids.numel() - ct.prompt} single-token calls; "
-                                  f"{model.dtype}; transformers {t2 - t1:.1f} s, kveval {t3 - t2:.2f} s"))
+                            notes=f"{version(ct)}; prompt {ct.prompt} then {ids.numel() - ct.prompt} single-token "
+                                  f"calls; {model.dtype}; transformers {t2 - t1:.1f} s, kveval {t3 - t2:.2f} s"))
         stamp[ct.label] = t3 - t0
     if timings is not None:
         timings.update(stamp)

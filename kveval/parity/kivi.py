@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kveval.errors import KvevalError
-from kveval.parity import ParityRow, compare, parse_cache_type
+from kveval.parity import ParityRow, compare, model_and_ids, parse_cache_type
 from kveval.policy import KVPolicy
 
 SYSTEM = "kivi"
@@ -102,16 +102,7 @@ def run(model_name: str = "builtin:smollm2-135m", types: list[str] | None = None
     cts = [CacheType.parse(t) for t in (types or DEFAULT_TYPES)]
     ref_module = reference or load_reference()
     clock = time.perf_counter()
-    if model is None:
-        from kveval.models import load_model
-
-        model, tok = load_model(model_name, dtype="float32")
-        if ids is None:
-            from kveval.data import load_tokens
-
-            ids = load_tokens("builtin", tok, max_tokens=start + tokens)[start:start + tokens]
-    if ids is None or ids.dim() != 1 or ids.numel() < 2:
-        raise KvevalError("kivi parity needs ids [T] with T >= 2")
+    model, ids = model_and_ids(SYSTEM, model_name, model, ids, start, tokens)
     stamp = {"load": time.perf_counter() - clock}
     with torch.no_grad():
         kv_fp = model(ids[None]).logits[0]

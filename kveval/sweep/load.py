@@ -8,15 +8,14 @@ one :class:`KvevalError` line naming the sweep file and the run; nothing is writ
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from kveval.config import MAX_CONFIG_BYTES, ExperimentConfig, check_inputs, validate
+from kveval.config import MAX_CONFIG_BYTES, ExperimentConfig, check_inputs, schema_error_line, validate
 from kveval.errors import KvevalError
 from kveval.schema import load_yaml, read_text_file
 from kveval.sweep.expand import RunSpec, SweepFile, expand, with_placement
@@ -47,48 +46,6 @@ class SweepPlan:
     runs: list[PlannedRun] = field(default_factory=list)
 
 
-def _error_line(exc: ValidationError, root: type[BaseModel]) -> str:
-    """One line for a schema error of the sweep file: the path of the key, and "did you mean" for an unknown one."""
-    errors = exc.errors()
-    e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])  # a typo first, not what it hides
-    loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-    where = ""
-    for part in loc:
-        where += f"[{part}]" if isinstance(part, int) else ("." if where else "") + str(part)
-    if e["type"] == "extra_forbidden":
-        valid = _fields_at(root, loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else (f" (valid keys: {', '.join(valid)})" if valid else "")
-        return f"{where}: unknown key{hint}"
-    if e["type"] == "missing":
-        return f"{where}: required key is missing"
-    msg = e["msg"].removeprefix("Value error, ")
-    got = e.get("input")
-    shown = f" (got {got!r})" if got is not None and not isinstance(got, (dict, list)) else ""
-    return f"{where}: {msg}{shown}" if where else f"{msg}{shown}"
-
-
-def _fields_at(root: type[BaseModel], loc: tuple) -> list[str]:
-    import typing
-
-    classes = [root]
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        nxt = []
-        for cls in classes:
-            if part in cls.model_fields:
-                ann = cls.model_fields[part].annotation
-                stack = [ann]
-                while stack:
-                    a = stack.pop()
-                    if isinstance(a, type) and issubclass(a, BaseModel):
-                        nxt.append(a)
-                    stack.extend(typing.get_args(a))
-        classes = nxt
-    return sorted({f for cls in classes for f in cls.model_fields})
-
-
 def _read_mapping(path: str | Path, what: str) -> dict:
     """A YAML file that must hold a mapping (a config), read as ``kveval run`` reads configs."""
     text = read_text_file(path, what, max_bytes=MAX_CONFIG_BYTES)
@@ -110,7 +67,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, *, allow_co
     try:
         sweep = SweepFile.model_validate(raw)
     except ValidationError as exc:
-        raise KvevalError(f"{path}: {_error_line(exc, SweepFile)}") from None
+        raise KvevalError(f"{path}: {schema_error_line(exc, SweepFile, unknown_key_first=True)}") from None
     except KvevalError as exc:
         raise KvevalError(f"{path}: {exc}") from None
     try:

@@ -132,6 +132,19 @@ def _suggest_groups(widths: list[int]) -> str:
     return f"; group sizes that divide every matrix here: {', '.join(map(str, fits))}" if fits else ""
 
 
+def size_fields(params_quantized: int, params_total: int, quantized_bytes: dict[str, int]) -> dict:
+    """The size part of a variant's ``info``: parameters quantized and in all, their share, the quantized tensors'
+    bytes as stored (``quantized_bytes``, with a ``total``) and bits per quantized weight."""
+    pq = params_quantized
+    return {
+        "params_quantized": pq,
+        "params_total": params_total,
+        "quantized_share": pq / params_total if params_total else None,
+        "quantized_bytes": quantized_bytes,
+        "bits_per_weight": 8 * quantized_bytes["total"] / pq if pq else None,
+    }
+
+
 @dataclass
 class PreparedVariant:
     """A weight variant checked against one model: its matrices (``targets``) and what it stores."""
@@ -177,11 +190,7 @@ class PreparedVariant:
             "modules": list(self.variant.modules),
             "modules_quantized": [g for g in ("attention", "mlp", "lm_head", "embeddings") if g in covered],
             "matrices": len(self.targets),
-            "params_quantized": pq,
-            "params_total": self.params_total,
-            "quantized_share": pq / self.params_total if self.params_total else None,
-            "quantized_bytes": nb,
-            "bits_per_weight": 8 * nb["total"] / pq if pq else None,
+            **size_fields(pq, self.params_total, nb),
             "notes": notes,
         }
 
@@ -378,11 +387,7 @@ class PreparedGgufVariant:
             "relative_error": {g: self.relative_error[g] for g in TENSOR_GROUPS if g in self.relative_error},
             "matrices": sum(1 for _, _, p, _ in self.swaps if p.dim() == 2),
             "params_replaced": sum(p.numel() for _, _, p, _ in self.swaps),
-            "params_quantized": pq,
-            "params_total": self.params_total,
-            "quantized_share": pq / self.params_total if self.params_total else None,
-            "quantized_bytes": nb,
-            "bits_per_weight": 8 * nb["total"] / pq if pq else None,
+            **size_fields(pq, self.params_total, nb),
             "notes": notes,
         }
 

@@ -31,6 +31,14 @@ TENSOR_GROUPS = ("attention", "mlp", "lm_head", "embeddings", "other")
 GGUF_VERSIONS = (2, 3)
 
 
+def read_magic(path: Path) -> tuple[bytes, int | None]:
+    """The first 4 bytes of ``path`` (``b"GGUF"`` for a GGUF file) and the little-endian version after them (None
+    for a file shorter than 8 bytes). OSError when the file cannot be read."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    return head[:4], int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+
+
 def check_gguf_file(value: Any, where: str) -> Path:
     """The path of an existing GGUF file (``~`` expanded) named by ``value``; KvevalError (one line, starting with
     ``where``) when it does not exist, is not a file, or does not start with the GGUF magic and a version 2 or 3."""
@@ -40,12 +48,10 @@ def check_gguf_file(value: Any, where: str) -> Path:
     if not path.is_file():
         raise KvevalError(f"{where}: gguf '{value}' is not a file (give the path of a .gguf file)")
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
+        magic, version = read_magic(path)
     except OSError as e:
         raise KvevalError(f"{where}: gguf file '{value}' cannot be read ({e.strerror or type(e).__name__})") from None
-    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
-    if head[:4] != b"GGUF":
+    if magic != b"GGUF":
         raise KvevalError(f"{where}: '{value}' is not a GGUF file (no GGUF magic at its start)")
     if version not in GGUF_VERSIONS:
         raise KvevalError(f"{where}: '{value}' is GGUF version {version}; versions 2 and 3 are read")

@@ -18,7 +18,7 @@ from twopaths import decoded_logits, emulated_logits, ids_for  # noqa: E402
 
 from kveval.errors import KvevalError  # noqa: E402
 from kveval.memory import Arch, kv_bytes  # noqa: E402
-from kveval.parity import hf_hqq  # noqa: E402
+from kveval.parity import hf_hqq, hf_quanto  # noqa: E402
 from kveval.parity.hf_quanto import decode_with  # noqa: E402
 from kveval.patch import QuantizedKVCache  # noqa: E402
 from kveval.policy import KVPolicy  # noqa: E402
@@ -180,7 +180,7 @@ def test_the_same_logits_as_transformers_on_a_tiny_float32_model(tiny_llama, nbi
     with _hqq_without_early_stop():
         ref = hf_hqq.reference_logits(model, ids, nbits, prompt, q_group_size=32, residual_length=8)
     cache = decode_with(model, ids, QuantizedKVCache(model, policy), prompt)
-    emulated = hf_hqq.emulated_logits(model, ids, policy, prompt)
+    emulated = hf_quanto.emulated_logits(model, ids, policy, prompt)
     with torch.no_grad():
         fp = model(ids[None]).logits[0]
     effect = (ref - fp).abs().max()
