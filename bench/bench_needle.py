@@ -6,7 +6,7 @@ Also prints what each trial scored, so it doubles as a quick look at retrieval o
                                            [--policies int2_g32] [--variant passkey] [--max-new-tokens 8]
 
 Per cell: median seconds of ``score_answer`` (one forward over prompt + answer, under ``emulate`` for a policy)
-and of ``generate_answer`` (prefill + ``max_new_tokens`` decode steps through ``QuantizedKVCache``; plain
+and of ``generate_answers`` (one prompt: prefill + ``max_new_tokens`` decode steps through ``QuantizedKVCache``; plain
 ``generate`` for the baseline), and their ratio.
 """
 
@@ -20,8 +20,9 @@ import torch
 
 from kveval.models import load_model
 from kveval.policy import KVPolicy
+from kveval.tasks._generation import generate_answers
 from kveval.tasks.needle.prompts import PASSKEY_FILLER, SentenceTokens, exact_match, split_sentences
-from kveval.tasks.needle.task import Params, generate_answer, score_answer, trial_prompt
+from kveval.tasks.needle.task import Params, score_answer, trial_prompt
 
 
 def main() -> None:
@@ -63,7 +64,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     s = score_answer(model, p.input_ids, p.answer_ids, policy)
                     t1 = time.perf_counter()
-                    text = generate_answer(model, tok, p.input_ids, args.max_new_tokens, policy)
+                    text = generate_answers(model, tok, [p.input_ids], args.max_new_tokens, policy, batch_size=1)[0]
                     t2 = time.perf_counter()
                     r = rows[name]
                     r["em"].append(int(exact_match(text, spec.answer)))

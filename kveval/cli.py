@@ -29,6 +29,55 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
+#: what the libraries read at import to stay quiet: no progress bars (huggingface_hub, transformers' weight
+#: loading, datasets, tqdm) and errors only from transformers' and datasets' loggers
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
+             "TRANSFORMERS_VERBOSITY": "error", "DATASETS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+#: loggers of libraries whose warnings are noise beside kveval's own lines
+QUIET_LOGGERS = ("lm_eval", "transformers", "datasets", "accelerate", "huggingface_hub", "ray")
+
+
+def quiet_libraries_unless_terminal(stream=None) -> bool:
+    """When stderr is not a terminal (a log file, CI, another program reading it), keep the libraries' progress
+    bars and warnings off it, so that a failing command's stderr is its one error line: the environment the
+    libraries read at import (:data:`QUIET_ENV`, unless the user set a variable), their loggers at ERROR and their
+    Python warnings ignored. Called before any of them is imported; returns whether it acted."""
+    import logging
+    import os
+    import warnings
+
+    stream = sys.stderr if stream is None else stream
+    if getattr(stream, "isatty", lambda: False)():
+        return False
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"(transformers|torch|lm_eval|datasets|accelerate|huggingface_hub)")
+    # libraries imported already (a library caller, the tests) read the environment before: tell them directly
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        tlog = sys.modules["transformers"].utils.logging
+        tlog.disable_progress_bar()
+        tlog.set_verbosity_error()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].utils.logging.disable_progress_bar()
+        sys.modules["datasets"].utils.logging.set_verbosity_error()
+    if "tqdm" in sys.modules:  # TQDM_DISABLE is read when tqdm is imported: bars made from now on start disabled
+        bar = sys.modules["tqdm"].std.tqdm
+        if not getattr(bar, "_kveval_quiet", False):
+            loud = bar.__init__
+
+            def quiet(self, *args, **kwargs):  # callers pass disable=... themselves (lm-eval does): overruled
+                kwargs["disable"] = True
+                loud(self, *args, **kwargs)
+
+            bar.__init__ = quiet
+            bar._kveval_quiet = True
+    return True
+
+
 def user_errors(fn):
     """Bad input -> one line on stderr and exit status 2, no traceback. Ctrl-C -> one line and exit status 130,
     wherever it lands: in the work, in the report at its end, or while the line of an error is being printed (a
@@ -37,6 +86,7 @@ def user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        quiet_libraries_unless_terminal()
         try:
             try:
                 return fn(*args, **kwargs)
@@ -253,21 +303,29 @@ def list_things():
     from kveval.data import builtin_corpora
     from kveval.models import builtin_models
     from kveval.policy.presets import policy_descriptions
+    from kveval.policy.provenance import check_of
     from kveval.quant import preset, preset_names
     from kveval.tasks import task_presets
 
     console = Console()
 
-    def table(title: str, rows: list[tuple[str, str]]):
+    def table(title: str, rows: list[tuple[str, ...]]):
         t = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
         t.add_column(style="bold cyan", no_wrap=True)
-        t.add_column()
+        for _ in range(max(len(r) for r in rows) - 1):
+            t.add_column()
         for row in rows:
             t.add_row(*row)
         console.print(t)
         console.print()
 
-    table("KV policies (kv: NAME)", list(policy_descriptions().items()))
+    def checked(name: str) -> str:
+        check = check_of(name)
+        return "" if check is None else f"checked: {check.kind} ({check.test or 'no test'})"
+
+    table("KV policies (kv: NAME); checked: how a preset named after a system was checked (system: a test runs the "
+          "system here; reference: a test runs a reference written from its source; documented: no test)",
+          [(n, d, checked(n)) for n, d in policy_descriptions().items()])
     table("Quantizer presets (key:/value:/spec: NAME, also usable as a policy)", [(n, preset(n).describe()) for n in preset_names()])
     task_rows = [(k, (v.__doc__ or "").strip().splitlines()[0]) for k, v in TASK_TYPES.items()]
     task_rows += [(name, f"preset: {path.name}") for name, path in task_presets().items()]

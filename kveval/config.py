@@ -38,7 +38,7 @@ from kveval.errors import KvevalError
 from kveval.policy import AUTO_SCALES, KVPolicy
 from kveval.results.layout import BASELINE
 from kveval.schema import Strict, load_yaml, read_text_file
-from kveval.tasks import TASKS, task_presets
+from kveval.tasks import task_params, task_presets
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; a bigger file is not a config
 MAX_NAME_CHARS = 100  # run and policy names name folders and files (plots/needle_<policy>_diff.png)
@@ -137,7 +137,7 @@ class DataConfig(Strict):
     split: str | None = None
 
 
-TASK_TYPES: dict[str, type[Strict]] = {name: module.Params for name, module in TASKS.items()}
+TASK_TYPES: dict[str, type[Strict]] = task_params()  # the parameter modules only, never the evaluators
 
 
 class _TaskEntryBase(Strict):
@@ -181,7 +181,7 @@ class MemoryConfig(Strict):
     @field_validator("gpu_memory")
     @classmethod
     def _size(cls, value):
-        from kveval.memory.table import parse_size
+        from kveval.units import parse_size
 
         try:
             n = parse_size(value)
@@ -612,7 +612,7 @@ def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
         check_model_source(cfg.model.name, cfg.model.trust_remote_code)
         _check_windows_fit(cfg)
         _check_weight_widths(cfg)
-        from kveval.weights.gguf_file import check_variant_files
+        from kveval.weights.spec import check_variant_files
 
         check_variant_files(cfg.model.weight_variants())
         if cfg.model.device == "cuda":
@@ -639,7 +639,7 @@ def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
                 check_include_path(entry.params.include_path, allow_code=cfg.allow_code)
         for name, policy in cfg.policies().items():
             if policy.needs_scales_file() and policy.scales != AUTO_SCALES:
-                from kveval.calibration.scales_file import load_scales
+                from kveval.scales.file import load_scales
 
                 try:
                     load_scales(str(policy.scales))

@@ -129,7 +129,7 @@ def _parquet_texts(path: Path, field: str) -> list[str]:
 
     try:
         df = pd.read_parquet(path)
-    except Exception as e:
+    except (OSError, ValueError, ImportError, TypeError, MemoryError) as e:  # pyarrow's errors derive from these
         raise KvevalError(f"{path}: cannot read parquet ({type(e).__name__}: {e})") from None
     if field not in df.columns:
         raise KvevalError(f"{path}: no column {field!r} (found: {', '.join(map(str, df.columns))}); set text_field")
@@ -233,7 +233,7 @@ def _read_ids(path: Path, vocab: int) -> np.ndarray | None:
         if not digest.is_file() or digest.read_text().strip() != _ids_digest(ids):
             raise ValueError("digest missing or different")
         return ids
-    except Exception as e:
+    except (OSError, ValueError, EOFError) as e:  # np.load: missing, truncated, not an .npy, pickled
         log.warning("kveval: token cache file %s is unreadable (%s); rebuilding it", path, e)
         path.unlink(missing_ok=True)
         _digest_path(path).unlink(missing_ok=True)

@@ -23,7 +23,16 @@ MAX_YAML_NODES = 200_000
 
 
 class Strict(BaseModel):
+    """The base of every config section: unknown keys are errors, types are strict."""
+
     model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
+
+    def check_unique(self, *fields: str) -> None:
+        """ValueError (``"depths has duplicates"``) when a list field holds a value twice (None counts as empty)."""
+        for name in fields:
+            values = getattr(self, name) or []
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} has duplicates")
 
 
 # --------------------------------------------------------------------------------------------- YAML

@@ -9,7 +9,6 @@ import yaml
 from typer.testing import CliRunner
 
 from kveval.calibration.calibrate import calibrate
-from kveval.calibration.scales_file import load_scales
 from kveval.cli import app
 from kveval.commands.run import run_experiment
 from kveval.config import validate
@@ -19,6 +18,7 @@ from kveval.memory import Arch, kv_bytes
 from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
 from kveval.policy import KVPolicy
 from kveval.quant import QuantSpec, qparams_from_range
+from kveval.scales.file import load_scales
 
 CAL = {"tokens": 96, "seq_len": 48}
 

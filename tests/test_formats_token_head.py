@@ -15,13 +15,13 @@ from kveval.patch import QuantizedKVCache, cache_kwargs
 from kveval.policy import KVPolicy
 from kveval.quant import dequantize, fake_quantize, packed_nbytes, preset, quantize
 from kveval.quant.formats.per_token_head import (
-    hadamard,
     int4_pth_scale_word,
     int4_pth_unword,
     rht,
     rht_inverse,
     rht_signs,
 )
+from kveval.quant.rotation import walsh_hadamard
 
 
 def _x(rows: list[list[float]], d: int) -> torch.Tensor:
@@ -79,7 +79,7 @@ def test_fp8_per_token_head():
 # ------------------------------------------------------------------------------------------------ INT4 + RHT
 def test_hadamard_is_sylvester_and_rht_inverts():
     for d in (2, 4, 32):
-        h = hadamard(torch.eye(d, dtype=torch.float64))
+        h = walsh_hadamard(torch.eye(d, dtype=torch.float64))
         want = torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(d)] for i in range(d)], dtype=torch.float64)
         assert torch.equal(h, want)
         s = rht_signs(d)

@@ -17,9 +17,7 @@ from twopaths import decoded_logits, emulated_logits, ids_for
 from typer.testing import CliRunner
 
 from kveval.calibration.calibrate import calibrate
-from kveval.calibration.codebooks import bounds_names, codebook_name, fit_layer, kmeans_1d, percentile
 from kveval.calibration.collect import collect_kv
-from kveval.calibration.scales_file import load_scales
 from kveval.cli import app
 from kveval.config import validate
 from kveval.data import load_tokens
@@ -30,6 +28,8 @@ from kveval.policy import KVPolicy
 from kveval.policy.presets import POLICY_PRESETS, kvquant_config
 from kveval.quant import QParams, QuantSpec, dequantize, fake_quantize, packed_nbytes, preset, quantize
 from kveval.quant.formats.nuq import nearest_codes, nf_codebook, outlier_capacity, quantile_levels, quantile_sorted
+from kveval.scales.codebooks import bounds_names, codebook_name, fit_layer, kmeans_1d, percentile
+from kveval.scales.file import load_scales
 
 KVQ = {"tokens": 96, "seq_len": 48}
 

@@ -10,13 +10,15 @@ import pytest
 import torch
 from twopaths import decoded_logits, emulated_logits, ids_for
 
+import kveval.gguf
 from kveval.errors import KvevalError
+from kveval.gguf import gguf_permutation, to_gguf_order
 from kveval.policy import POLICY_PRESETS, KVPolicy
 from kveval.policy.presets import LLAMACPP_SPECS, llamacpp_config
+from kveval.quant.rotation import hadamard_matrix, rotate_blocks
 from kveval.rope import rotate
 from kveval.transforms import GgufOrder, Hadamard, QueryQuant, TransformContext, make_transform
-from kveval.transforms.gguf_order import gguf_permutation, to_gguf_order
-from kveval.transforms.hadamard import hadamard_matrix, llamacpp_block, rotate_blocks
+from kveval.transforms.hadamard import llamacpp_block
 from kveval.transforms.query_quant import fake_q8_0_x86, quantize_q8_0_x86, vec_dot_query_type
 
 CTX = TransformContext(layer=0, head_dim=8)
@@ -292,7 +294,6 @@ def test_gguf_order_acts_only_on_families_whose_gguf_is_permuted(tiny_llama64, t
 
     from kveval.models import tiny_model_config
     from kveval.patch.quantizers import layer_quantizers, model_type_of
-    from kveval.transforms import gguf_order
 
     (llama, _), (gemma, _) = tiny_llama64, tiny_gemma3_64
     assert (model_type_of(llama), model_type_of(gemma)) == ("llama", "gemma3_text")
@@ -319,5 +320,5 @@ def test_gguf_order_acts_only_on_families_whose_gguf_is_permuted(tiny_llama64, t
     got = emulated_logits(gemma64, ids, policy)
     assert torch.equal(got, emulated_logits(gemma64, ids, without))
     # were Gemma's GGUF permuted, the 32-wide blocks would hold other channels and the numbers would differ
-    monkeypatch.setattr(gguf_order, "PERMUTED_MODEL_TYPES", frozenset({"gemma3_text"}))
+    monkeypatch.setattr(kveval.gguf, "PERMUTED_MODEL_TYPES", frozenset({"gemma3_text"}))
     assert (emulated_logits(gemma64, ids, policy) - got).abs().max() > 1e-6

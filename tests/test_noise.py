@@ -4,7 +4,7 @@ import json
 
 from kveval.commands.run import run_experiment
 from kveval.config import Threshold, validate
-from kveval.tasks.perplexity import verdict
+from kveval.tasks.perplexity.task import verdict
 
 
 def cfg(out, dtype="float64", kv=("fp16", "int4_g32"), noise_windows=1):

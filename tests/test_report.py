@@ -143,14 +143,19 @@ def test_corrupt_metrics_is_one_line(tmp_path):
         load(tmp_path)
 
 
-def test_write_run_report_never_raises(tmp_path, capsys):
+def test_write_run_report_fails_in_one_line_and_keeps_the_results(tmp_path):
+    """A report that cannot be drawn is one KvevalError line (kveval run then exits 2), naming the folder and how
+    to draw it again; the run's files are untouched."""
     run = write_synthetic_run(tmp_path / "r", policies=("int8",), records=False)
     write_run_report(run)
     assert (run / "report.html").is_file()
     (run / "metrics.json").write_text("not json")
-    write_run_report(run)
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("kveval: the report of") and "\n" not in err
+    with pytest.raises(KvevalError) as info:
+        write_run_report(run)
+    msg = str(info.value)
+    assert msg.startswith(f"the report of {run} was not written:") and "\n" not in msg
+    assert "kept" in msg and f"kveval report {run}" in msg
+    assert (run / "metrics.json").read_text() == "not json"
 
 
 def test_multi_run_report(tmp_path):

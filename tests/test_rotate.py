@@ -13,9 +13,8 @@ from twopaths import decoded_logits, emulated_logits, ids_for
 from kveval.errors import KvevalError
 from kveval.memory import Arch, kv_bytes
 from kveval.policy import KVPolicy
+from kveval.quant.rotation import random_matrix, rotation_matrix
 from kveval.transforms import Rotate, TransformContext
-from kveval.transforms.random_rotation import rotation_matrix
-from kveval.transforms.rotate import rotate_matrix
 
 CTX = TransformContext(layer=0, head_dim=2)
 
@@ -35,21 +34,21 @@ def test_matrices_by_hand():
     expected = torch.zeros(4, 4, dtype=torch.float64)
     expected[:2, :2] = h2
     expected[2:, 2:] = h2
-    torch.testing.assert_close(rotate_matrix("hadamard", 2, 0, 4), expected)
+    torch.testing.assert_close(rotation_matrix("hadamard", 2, 0, 4), expected)
     # random signs then the Hadamard matrix: diag(s) H with s from the seeded generator
-    signs = rotation_matrix("signs", 7, 4)
-    torch.testing.assert_close(rotate_matrix("hadamard_signs", 0, 7, 4), signs @ rotate_matrix("hadamard", 0, 0, 4))
+    signs = random_matrix("signs", 7, 4)
+    torch.testing.assert_close(rotation_matrix("hadamard_signs", 0, 7, 4), signs @ rotation_matrix("hadamard", 0, 0, 4))
     assert set(torch.diagonal(signs).tolist()) <= {-1.0, 1.0}
     for kind in ("hadamard", "hadamard_signs", "orthogonal"):
-        m = rotate_matrix(kind, 0, 3, 16)
+        m = rotation_matrix(kind, 0, 3, 16)
         torch.testing.assert_close(m @ m.T, torch.eye(16, dtype=torch.float64), atol=1e-12, rtol=0)
     # each layer draws its own random matrix
     k = torch.randn(1, 1, 3, 16, dtype=torch.float64)
     r = Rotate(kind="orthogonal", seed=5)
     a = r.key_in(k, TransformContext(layer=0, head_dim=16))
     b = r.key_in(k, TransformContext(layer=1, head_dim=16))
-    torch.testing.assert_close(a, k @ rotation_matrix("orthogonal", 5, 16))
-    torch.testing.assert_close(b, k @ rotation_matrix("orthogonal", 6, 16))
+    torch.testing.assert_close(a, k @ random_matrix("orthogonal", 5, 16))
+    torch.testing.assert_close(b, k @ random_matrix("orthogonal", 6, 16))
 
 
 @pytest.mark.parametrize("kind", ["hadamard", "hadamard_signs", "orthogonal"])

@@ -31,9 +31,10 @@ from kveval.policy.presets import POLICY_PRESETS
 from kveval.policy.selectors import layers_of
 from kveval.quant import QuantSpec, dequantize, fake_quantize, packed_nbytes, preset, quantize
 from kveval.quant.formats.turboquant import codebook, midpoints, vllm_codebook
-from kveval.quant.formats.turboquant import hadamard as kveval_hadamard
+from kveval.quant.rotation import hadamard_matrix as kveval_hadamard
+from kveval.quant.rotation import random_matrix
 from kveval.transforms import TransformContext
-from kveval.transforms.random_rotation import RandomRotation, rotation_matrix
+from kveval.transforms.random_rotation import RandomRotation
 
 #: kveval policy preset -> vLLM --kv-cache-dtype
 VLLM = {f"vllm_{name}": name for name in PRESETS}
@@ -319,16 +320,16 @@ def test_memory_bill_equals_the_real_cache(case, tiny_llama64):
 
 # ------------------------------------------------------------------------------------------------ rotation
 def test_random_rotation_matrices():
-    q = rotation_matrix("orthogonal", 42, 64)
+    q = random_matrix("orthogonal", 42, 64)
     torch.testing.assert_close(q @ q.T, torch.eye(64, dtype=torch.float64), rtol=0, atol=1e-13)
-    assert torch.equal(q, rotation_matrix("orthogonal", 42, 64)) and not torch.equal(q, rotation_matrix(
+    assert torch.equal(q, random_matrix("orthogonal", 42, 64)) and not torch.equal(q, random_matrix(
         "orthogonal", 43, 64))
-    s = rotation_matrix("signs", 7, 16)
+    s = random_matrix("signs", 7, 16)
     assert torch.equal(s.abs(), torch.eye(16, dtype=torch.float64))
     k = torch.tensor([3.0, 1.0], dtype=torch.float64).reshape(1, 1, 1, 2)
     t = RandomRotation(kind="signs", seed=0)
     ctx = TransformContext(layer=5, head_dim=2)
-    signs = torch.diagonal(rotation_matrix("signs", 5, 2))  # layer 5 draws with seed 0 + 5
+    signs = torch.diagonal(random_matrix("signs", 5, 2))  # layer 5 draws with seed 0 + 5
     assert torch.equal(t.key_in(k, ctx).flatten(), k.flatten() * signs)
 
 

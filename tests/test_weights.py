@@ -18,13 +18,13 @@ from kveval.commands.run import run_experiment
 from kveval.config import validate
 from kveval.errors import KvevalError
 from kveval.memory import Arch
-from kveval.memory.table import policy_memory_fields
+from kveval.memory.rows import policy_memory_fields
 from kveval.models import build_tiny_model, byte_tokenizer
 from kveval.patch import emulate
 from kveval.policy import KVPolicy
 from kveval.quant import QuantSpec, fake_quantize, preset
 from kveval.results import BASELINE
-from kveval.tasks.perplexity import Params, aggregate
+from kveval.tasks.perplexity.task import Params, aggregate
 from kveval.weights import (
     WeightVariant,
     WindowSums,

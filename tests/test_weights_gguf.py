@@ -15,20 +15,21 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 from typer.testing import CliRunner
 
 from kveval.cli import app
 from kveval.commands.run import run_experiment
 from kveval.config import validate
 from kveval.errors import KvevalError
+from kveval.gguf import add_llama_metadata, unpermute_rows, write_llama_gguf
 from kveval.models import build_tiny_model, byte_tokenizer, load_model, tiny_model_config
 from kveval.patch import emulate
 from kveval.policy import KVPolicy
 from kveval.quant import preset
 from kveval.weights import fake_quantize_weight, parse_variants
 from kveval.weights.apply import prepare
-from kveval.weights.gguf_file import check_variant_files
+from kveval.weights.spec import check_variant_files
 
 Q = gguf.GGMLQuantizationType
 #: llama.cpp's tensor names of one block's HF parameters
@@ -40,74 +41,32 @@ ALL_Q8 = {"attention": Q.Q8_0, "mlp": Q.Q8_0, "embeddings": Q.Q8_0}
 TINY_PARAMS = 213_824  # tiny-llama: 4 x (49,152 matrix + 128 norm) weights, 260 x 64 embeddings (tied), 64 norm
 
 
-def to_gguf_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: the rows of each head interleaved for llama.cpp's RoPE."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def from_gguf_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """The inverse of :func:`to_gguf_rows`, by its index map: GGUF row i holds HF row idx[i]."""
-    idx = to_gguf_rows(np.arange(w.shape[0])[:, None], n_head)[:, 0]
-    out = np.empty_like(w)
-    out[idx] = w
-    return out
-
-
 def write_gguf(path: Path, model, types: dict | None) -> Path:
-    """``model`` (a tiny Llama, tied embeddings) as a GGUF file: its matrices quantized by gguf-py to ``types``
-    (``{group: GGMLQuantizationType}``; None: every tensor F32), norms F32, q/k rows in llama.cpp's order, the
-    byte tokenizer as a gpt2 vocabulary."""
+    """``model`` (a tiny Llama, tied embeddings) as a GGUF file by kveval's writer (:func:`kveval.gguf.write_llama_gguf`:
+    llama.cpp's names, q/k rows in llama.cpp's order), its matrices quantized by gguf-py to ``types``
+    (``{group: GGMLQuantizationType}``; None: every tensor F32), norms F32, the byte tokenizer as a gpt2
+    vocabulary."""
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if types else gguf.LlamaFileType.ALL_F32)
-    vocab = byte_tokenizer().get_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
-    w.add_token_types([3] * 4 + [1] * 256)
-    w.add_token_scores([0.0] * len(vocab))
-    w.add_token_merges([])
-    for key, tid in (("bos", 1), ("eos", 2), ("pad", 0), ("unk", 3)):
-        getattr(w, f"add_{key}_token_id")(tid)
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 
-    def add(name: str, a: np.ndarray, group: str | None) -> None:
-        qtype = (types or {}).get(group) if group else None
-        if qtype is None:
-            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
-        else:
-            w.add_tensor(name, quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+    def metadata(w) -> None:
+        vocab = byte_tokenizer().get_vocab()
+        w.add_name("tiny")
+        add_llama_metadata(w, cfg, [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])],
+                           token_types=[3] * 4 + [1] * 256, merges=[], add_bos=None,
+                           special_ids={"bos": 1, "eos": 2, "pad": 0, "unk": 3},
+                           file_type=gguf.LlamaFileType.MOSTLY_Q8_0 if types else gguf.LlamaFileType.ALL_F32)
+        w.add_token_scores([0.0] * len(vocab))
 
-    add("token_embd.weight", sd["model.embed_tokens.weight"], "embeddings")
-    add("output_norm.weight", sd["model.norm.weight"], None)
-    for i in range(cfg.num_hidden_layers):
-        for hf, name in BLOCK.items():
-            a = sd[f"model.layers.{i}.{hf}.weight"]
-            if name == "attn_q":
-                a = to_gguf_rows(a, cfg.num_attention_heads)
-            elif name == "attn_k":
-                a = to_gguf_rows(a, cfg.num_key_value_heads)
-            group = None if name.endswith("_norm") else ("attention" if name.startswith("attn") else "mlp")
-            add(f"blk.{i}.{name}.weight", a, group)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def tensor_type(name: str, group: str):
+        return None if group == "other" else (types or {}).get(group)
+
+    write_llama_gguf(path, model.state_dict(), cfg, metadata=metadata, tensor_type=tensor_type)
     return path
 
 
 def file_tensors(path: Path, n_head: int, n_kv: int) -> dict[str, torch.Tensor]:
     """``{HF parameter name: tensor}``: gguf-py's dequantization of every tensor of the file, q/k rows put back in
-    HF's order by :func:`from_gguf_rows` (the reference, independent of transformers' loader)."""
+    HF's order by :func:`kveval.gguf.unpermute_rows` (the reference, independent of transformers' loader)."""
     hf = {v: k for k, v in BLOCK.items()}
     out = {}
     for t in gguf.GGUFReader(str(path)).tensors:
@@ -120,9 +79,9 @@ def file_tensors(path: Path, n_head: int, n_kv: int) -> dict[str, torch.Tensor]:
         else:
             name = f"model.layers.{parts[1]}.{hf[parts[2]]}.weight"
             if parts[2] == "attn_q":
-                a = from_gguf_rows(a, n_head)
+                a = unpermute_rows(a, n_head)
             elif parts[2] == "attn_k":
-                a = from_gguf_rows(a, n_kv)
+                a = unpermute_rows(a, n_kv)
         out[name] = torch.from_numpy(np.array(a, dtype=np.float32))
     return out
 

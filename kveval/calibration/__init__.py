@@ -1,7 +1,7 @@
-"""The calibration feature (``kveval calibrate``, ``scales: auto``): static K/V ranges from a corpus slice.
+"""The calibration feature (``kveval calibrate``, ``scales: auto``): static K/V ranges from a corpus slice, written
+as a scales file (:mod:`kveval.scales`).
 
-- ``ranges``: absmax / percentile / mse ranges per tensor, head and channel (pure tensor maths);
-- ``scales_file``: the scales file (safetensors + a JSON header) and its checks against a model;
 - ``collect``: hooks that collect every layer's keys (post- and pre-RoPE) and values through attention;
-- ``calibrate``: the calibration run itself (slice of the corpus, windows, collection, ranges, file).
+- ``calibrate``: the calibration run itself (slice of the corpus, windows, collection, ranges, file);
+- ``checks``: what a run checks of its policies' scales before its first forward pass, and ``scales: auto``.
 """

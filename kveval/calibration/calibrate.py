@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from kveval.calibration.ranges import STATIC_GRANULARITIES, calibrate_ranges
 from kveval.errors import KvevalError
 from kveval.quant import preset
+from kveval.scales.ranges import STATIC_GRANULARITIES, calibrate_ranges
 
 
 def calibration_slice(n_tokens: int, tokens: int) -> tuple[int, int]:
@@ -84,11 +84,11 @@ def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=(),
     fraction in ``outliers`` also the ranges of the dense part (kind ``key@0.01`` etc.). A kind missing in some
     layers (pre-RoPE keys of a layer without RoPE) is left out. ``nuq`` (`nuq_requests`): KVQuant's bounds and
     codebooks to fit for every kind, put into ``nuq_out`` as ``{tensor name: [per-layer tensor]}``
-    (``kveval.calibration.codebooks``), their k-means weighted by the Fisher information when ``fisher`` (each window
+    (``kveval.scales.codebooks``), their k-means weighted by the Fisher information when ``fisher`` (each window
     then also runs backward from its mean next-token cross-entropy, as KVQuant's ``run-fisher.py``)."""
-    from kveval.calibration.codebooks import bounds_names, codebook_name, fit_layer
     from kveval.calibration.collect import collect_kv
     from kveval.quant import split_outliers
+    from kveval.scales.codebooks import bounds_names, codebook_name, fit_layer
 
     windows = [tokens[i:i + cal.seq_len] for i in range(0, len(tokens), cal.seq_len)]
     windows = [w for w in windows if len(w) >= 2]
@@ -141,10 +141,10 @@ def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Pa
     for the fractions in ``calibration.outliers`` and ``outliers``; KVQuant's bounds and codebooks for the 'nuq'
     specs of the config's policies, Fisher-weighted unless ``fisher`` is False)."""
     from kveval import __version__
-    from kveval.calibration.codebooks import MAX_ITER, STARTS, TOL
-    from kveval.calibration.scales_file import save_scales
     from kveval.data import tokenizer_fingerprint
     from kveval.models import model_info
+    from kveval.scales.codebooks import MAX_ITER, STARTS, TOL
+    from kveval.scales.file import save_scales
 
     cal = cfg.calibration
     start, end = calibration_slice(len(corpus_tokens), cal.tokens)

@@ -1,11 +1,65 @@
-"""``kveval memory``: the memory bill of one or more policies for a model or a shape, as a table or JSON."""
+"""``kveval memory``: the memory bill of one or more policies for a model or a shape, as a table or JSON.
+
+    text = memory_command(shape="llama-7b-mha", context=2048, kv="fp16,int8,int4_g64", gpu_memory="80GiB")
+"""
 
 from __future__ import annotations
 
+import io
 import json
+from dataclasses import replace
 
-from kveval.memory.bill import DEFAULT_BLOCK_SIZE, format_bytes, fp16_bytes
-from kveval.memory.table import memory_json, parse_size, render_table, resolve_arch
+from kveval.errors import KvevalError
+from kveval.memory.arch import Arch
+from kveval.memory.bill import DEFAULT_BLOCK_SIZE, fp16_bytes
+from kveval.memory.rows import memory_json
+from kveval.units import format_bytes, parse_size
+
+
+def resolve_arch(model: str | None = None, shape: str | None = None, layers: int | None = None,
+                 kv_heads: int | None = None, head_dim: int | None = None) -> Arch:
+    """The architecture from exactly one of: ``model`` (``builtin:...``, hub id, local folder or .gguf file; only
+    the config is read, never the weights: :func:`kveval.models.model_config`), ``shape`` (a named shape, see
+    ``Arch.named``) or the three numbers."""
+    explicit = [v is not None for v in (layers, kv_heads, head_dim)]
+    given = [model is not None, shape is not None, any(explicit)]
+    if sum(given) != 1:
+        raise KvevalError("give exactly one of --model, --shape, or --layers --kv-heads --head-dim")
+    if shape is not None:
+        return Arch.named(shape)
+    if any(explicit):
+        if layers is None or kv_heads is None or head_dim is None:
+            missing = [n for n, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim))
+                       if v is None]
+            raise KvevalError(f"an explicit shape needs --layers --kv-heads --head-dim; missing {' '.join(missing)}")
+        return Arch(layers=layers, kv_heads=kv_heads, head_dim=head_dim)
+    name = str(model)
+    if name == "builtin:smollm2-135m":
+        return replace(Arch.named("smollm2-135m"), name=name)  # known shape: no need to read the GGUF
+    from kveval.models import model_config
+
+    return Arch.from_model_config(model_config(name), name=name)
+
+
+def render_table(rows: list[dict], title: str | None = None):
+    """A rich Table: policy, bytes/token, total, saving vs FP16, scale overhead share, max batch, blocks."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("policy", "bytes/token", "total", "saving vs FP16", "scales share", "max batch", "blocks"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rows:
+        share = r["scales"] / r["total"] if r["total"] else 0.0
+        table.add_row(
+            r["policy"],
+            f"{r['bytes_per_token']:,.1f}",
+            format_bytes(r["total"]),
+            f"{100 * r['saving_vs_fp16']:.1f}%",
+            f"{100 * share:.1f}%",
+            "-" if r["max_batch"] is None else f"{r['max_batch']:,}",
+            f"{r['blocks']:,}",
+        )
+    return table
 
 
 def memory_command(model: str | None = None, shape: str | None = None, layers: int | None = None,
@@ -17,8 +71,6 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
     doc = memory_json(arch, kv, context, batch, gpu_memory, block_size)
     if json_output:
         return json.dumps(doc, indent=2)
-    import io
-
     from rich.console import Console
 
     heading = (f"{arch.name}: {arch.layers} layers x {arch.kv_heads} KV heads x head_dim {arch.head_dim}; "

@@ -1,27 +1,26 @@
-"""The memory feature: the exact bill of a KV cache (``bill``, pure arithmetic) and the ``kveval memory`` table
-(``table``). ``from kveval.memory import Arch, kv_bytes`` is the public entry point."""
+"""The memory feature, pure arithmetic: the shape of a model's KV cache (``arch``), the exact bill of a policy
+(``bill``), and the rows of ``kveval memory`` and the memory fields of a run (``rows``).
+``from kveval.memory import Arch, kv_bytes`` is the public entry point."""
 
+from kveval.memory.arch import NAMED_SHAPES, Arch, sliding_window_layers
 from kveval.memory.bill import (
     DEFAULT_BLOCK_SIZE,
     FP16_BYTES,
     MAX_CONTEXT,
-    NAMED_SHAPES,
-    Arch,
     Bill,
     Paging,
     Part,
     as_policy,
     block_bytes,
-    format_bytes,
     fp16_bytes,
     kv_budget,
     kv_bytes,
     max_batch,
     max_context,
     paging,
-    sliding_window_layers,
     token_split,
 )
+from kveval.units import format_bytes
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE", "FP16_BYTES", "NAMED_SHAPES", "Arch", "Bill", "Paging", "Part", "as_policy", "block_bytes",

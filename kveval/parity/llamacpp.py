@@ -54,6 +54,7 @@ import torch
 
 from kveval.errors import KvevalError
 from kveval.fileio import atomic_path
+from kveval.gguf import PERMUTED_MODEL_TYPES, add_llama_metadata, write_llama_gguf
 from kveval.parity import ParityRow, compare
 from kveval.paths import cache_dir
 from kveval.policy import KVPolicy
@@ -65,8 +66,6 @@ DEFAULT_TYPES = ["q8_0/q8_0", "q4_0/q4_0", "f16/q4_0", "q4_0/f16"]
 DEFAULT_TOKENS = 256
 ROT_ENV = "LLAMA_ATTN_ROT_DISABLE"
 _WRITER_VERSION = 1
-#: architectures whose GGUF conversion permutes Q/K (convert_hf_to_gguf.py's LlamaModel and subclasses we run)
-PERMUTED_MODEL_TYPES = ("llama", "mistral")
 
 
 # --------------------------------------------------------------------------------------------------- cache types
@@ -113,18 +112,12 @@ class CacheType:
 def _source_gguf(model_name: str) -> Path | None:
     """The GGUF file kveval loaded ``model_name`` from (its metadata and vocabulary are copied), or None."""
     if model_name == "builtin:smollm2-135m":
-        from kveval.models import _smollm2_gguf
+        from kveval.models import smollm2_gguf
 
-        return _smollm2_gguf()
+        return smollm2_gguf()
     if model_name.lower().endswith(".gguf") and Path(model_name).expanduser().is_file():
         return Path(model_name).expanduser()
     return None
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's ``LlamaModel.permute`` of q/k_proj rows: within each head, row ``2i + j`` <- row
-    ``j*d/2 + i``."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _state_key(model) -> str:
@@ -153,8 +146,8 @@ def truncate(model, layers: int):
 def f32_gguf(model, model_name: str) -> Path:
     """The F32 GGUF of ``model``'s weights (float32, Q/K permuted), written once under ``cache_dir("llamacpp")``.
 
-    Llama-architecture models only (``model.config.model_type`` in ``PERMUTED_MODEL_TYPES``). A model truncated
-    with ``truncate`` gets its own file (``block_count`` = its layers)."""
+    Llama-architecture models only (``model.config.model_type`` in ``kveval.gguf.PERMUTED_MODEL_TYPES``). A model
+    truncated with ``truncate`` gets its own file (``block_count`` = its layers)."""
     cfg = model.config
     if getattr(cfg, "model_type", None) not in PERMUTED_MODEL_TYPES:
         raise KvevalError(f"llamacpp parity writes Llama-architecture GGUF files; {model_name} is "
@@ -175,79 +168,22 @@ def f32_gguf(model, model_name: str) -> Path:
 
 
 def _write_gguf(model, dest: Path, src: Path | None) -> None:
-    import gguf
-
+    """``model``'s weights as an F32 GGUF (:func:`kveval.gguf.write_llama_gguf`): the metadata and vocabulary of
+    the GGUF file it was loaded from, else its config's and a placeholder byte-level vocabulary (only ids are
+    fed)."""
     cfg = model.config
-    writer = gguf.GGUFWriter(str(dest), "llama")
-    if src is not None:
-        reader = gguf.GGUFReader(str(src))
-        for key, f in reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            if key == "general.file_type":
-                writer.add_uint32(key, int(gguf.LlamaFileType.ALL_F32))
-                continue
-            if key == "llama.block_count":
-                writer.add_uint32(key, cfg.num_hidden_layers)
-                continue
-            vtype = f.types[0]
-            sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
-    else:
-        _write_llama_metadata(writer, model)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    for hf_name, t in model.state_dict().items():
-        if hf_name == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False):
-            continue
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise KvevalError(f"llamacpp parity: no GGUF name for the tensor '{hf_name}'")
-        w = t.detach().to(torch.float32).numpy()
-        if ".self_attn.q_proj." in hf_name:
-            w = _permute(w, cfg.num_attention_heads)
-        elif ".self_attn.k_proj." in hf_name:
-            w = _permute(w, cfg.num_key_value_heads)
-        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
+    def placeholder(writer) -> None:
+        from kveval.models import bytes_to_unicode
 
-def _write_llama_metadata(writer, model) -> None:
-    """Llama hyper-parameters from the HF config and a placeholder byte-level vocabulary (ids only are fed)."""
-    import gguf
+        byte_chars = bytes_to_unicode()
+        tokens = [byte_chars[i] if i < 256 else f"<id{i}>" for i in range(cfg.vocab_size)]
+        add_llama_metadata(writer, cfg, tokens, merges=[f"{byte_chars[32]} {byte_chars[32]}"])
 
-    from kveval.models import _bytes_to_unicode
-
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    rope_theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
-    writer.add_rope_freq_base(float(rope_theta or 10000.0))
-    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    writer.add_vocab_size(cfg.vocab_size)
-    byte_chars = _bytes_to_unicode()
-    tokens = [byte_chars[i] if i < 256 else f"<id{i}>" for i in range(cfg.vocab_size)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([int(gguf.TokenType.NORMAL)] * cfg.vocab_size)
-    writer.add_token_merges([f"{byte_chars[32]} {byte_chars[32]}"])
-    writer.add_bos_token_id(cfg.bos_token_id if cfg.bos_token_id is not None else 0)
-    writer.add_eos_token_id(cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 0)
-    writer.add_add_bos_token(False)
+    try:
+        write_llama_gguf(dest, model.state_dict(), cfg, metadata_from=src, metadata=placeholder)
+    except KvevalError as exc:
+        raise KvevalError(f"llamacpp parity: {exc}") from None
 
 
 # --------------------------------------------------------------------------------------------------- llama.cpp

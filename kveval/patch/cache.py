@@ -48,7 +48,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kveval.errors import KvevalError
-from kveval.memory.bill import check_sliding_window, sliding_window_layers
+from kveval.memory.arch import sliding_window_layers
+from kveval.memory.bill import check_sliding_window
 from kveval.patch import attention as attn
 from kveval.patch.attention import attention_modules
 from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, model_type_of, policy_scales

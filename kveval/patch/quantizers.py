@@ -117,8 +117,8 @@ def policy_scales(policy: KVPolicy, model):
         raise KvevalError(
             f"policy '{policy.name}': scales: auto is calibrated by kveval run; outside a run pass a scales file path"
         )
-    from kveval.calibration.scales_file import load_scales
     from kveval.models import model_info
+    from kveval.scales.file import load_scales
 
     sf = load_scales(policy.scales)
     info = model_info(model)
@@ -137,7 +137,7 @@ def model_type_of(model) -> str | None:
 
 def model_sliding_layers(model, num_layers: int) -> tuple[int, ...]:
     """The model's sliding-window layer indices (``kveval.memory.sliding_window_layers`` of its config)."""
-    from kveval.memory.bill import sliding_window_layers
+    from kveval.memory.arch import sliding_window_layers
 
     config = getattr(model, "config", None)
     if config is None:

@@ -1,7 +1,7 @@
 """QuantSpec: what a K or V tensor [batch, kv_heads, seq, head_dim] is quantized to.
 
 A spec is pure data (a frozen dataclass, validated on construction). The maths lives in the spec's format
-(`spec.fmt`, from the registry in `kveval.quant.formats`: 'int', 'fp8_e4m3', 'fp8_e5m2', 'none', the ggml block
+(`spec.fmt`, from the registry in `kveval.quant.formats.registry`: 'int', 'fp8_e4m3', 'fp8_e5m2', 'none', the ggml block
 types, or one registered from outside) and its granularity (`spec.gran`, `kveval.quant.granularity`);
 `primitives.py` drives them. The formulas of each format are in its module's docstring; in short:
 - int (1..8 bits): symmetric s = absmax / (2^(b-1)-1), q = clamp(round(x/s)), x^ = q*s; asymmetric s = (max-min) /
@@ -35,13 +35,12 @@ from typing import Any, TypeGuard
 
 import torch
 
-from .formats import GGML_BLOCK, GGML_TYPES, QuantFormat, format_names, get_format
-from .formats.base import MODEL_DTYPE, SCALE_TORCH_DTYPES
+from .formats.base import BLOCK_SCALE_DTYPES, MODEL_DTYPE, SCALE_TORCH_DTYPES, TensorFormat
+from .formats.ggml import GGML_BLOCK, GGML_TYPES
+from .formats.registry import format_names, get_format
 from .granularity import GRANULARITIES, Granularity, granularity_of
 
 MAPPINGS = ("symmetric", "asymmetric")
-#: block-scale encodings taken only by the formats that list them in their ``scale_dtypes`` (-> torch dtype)
-BLOCK_SCALE_DTYPES: dict[str, torch.dtype] = {"e8m0": torch.float8_e8m0fnu}
 SCALE_DTYPES = (*SCALE_TORCH_DTYPES, MODEL_DTYPE, *BLOCK_SCALE_DTYPES)
 ZERO_POINTS = ("float", "int")
 
@@ -132,6 +131,10 @@ class QuantSpec:
                 raise ValueError(f"unknown QuantSpec key {key!r}{hint}")
         return cls(**d)
 
+    def replace(self, **changes: Any) -> QuantSpec:
+        """A copy with ``changes`` applied (validated like any spec): ``spec.replace(outliers=0.0)``."""
+        return dataclasses.replace(self, **changes)
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain data; ``outliers`` only when set (so that configs resolved before it existed, and
         the run folders holding them, stay the same)."""
@@ -152,7 +155,7 @@ class QuantSpec:
         return self.format in ("fp8_e4m3", "fp8_e5m2")
 
     @property
-    def fmt(self) -> QuantFormat:
+    def fmt(self) -> TensorFormat:
         """The registered format that does the maths: the ggml type when `ggml` is set, else `format`'s."""
         return get_format(self.ggml if self.ggml is not None and not self.is_none else self.format)
 

@@ -73,7 +73,7 @@ def save(fig: Figure, path: str | Path, dpi: int = DPI, palette: bool = True) ->
             out = io.BytesIO()
             img.save(out, format="PNG", optimize=True)
             data = out.getvalue() if out.tell() < len(data) else data
-        except Exception:  # Pillow missing or too old: the plain PNG
+        except (ImportError, AttributeError, OSError, ValueError):  # no Pillow, or one too old: the plain PNG
             pass
     atomic_write_bytes(path, data)
     return path
@@ -557,6 +557,7 @@ def bits_per_layer(res: RunResults) -> Figure | None:
     """Stored bits per element of K and V in each layer, for policies with per-layer overrides (mixed precision,
     e.g. the planner's output); None when every policy is uniform."""
     from kveval.policy import KVPolicy
+    from kveval.results.read import CONFIG_ERRORS
 
     n_layers = None
     arch = (res.metrics.get("memory") or {}).get("arch") or {}
@@ -572,7 +573,7 @@ def bits_per_layer(res: RunResults) -> Figure | None:
         cfg = res.policy_config(p)
         try:
             pol = KVPolicy.from_config(cfg, name=p)
-        except Exception:
+        except CONFIG_ERRORS:  # a policy this kveval cannot read (the run's summary says so): not drawn here
             continue
         if pol.layers or pol.skip_sliding:
             mixed[p] = pol

@@ -14,7 +14,6 @@ import base64
 import html
 import math
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
@@ -127,14 +126,15 @@ def write_run_report(run_dir: Path) -> None:
     """What ``kveval run`` calls at the end of every run: the report into the run folder, with the figures of its
     needle and sensitivity tasks (which draw nothing themselves).
 
-    A report must never cost the run its results: an error is printed as one line on stderr and swallowed
-    (``kveval report RUN_DIR`` reruns it and shows the error in full).
+    A report that fails is one :class:`KvevalError` line saying so (the command exits non-zero); the run's records
+    and metrics are on disk before it is drawn and stay, so ``kveval report RUN_DIR`` redraws it once the cause is
+    fixed. An error of another kind is a bug and goes through whole.
     """
     try:
         report_command([run_dir])
-    except Exception as exc:  # noqa: BLE001 - the run's metrics are already safe on disk
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"kveval: the report of {run_dir} was not written: {first}", file=sys.stderr)
+    except KvevalError as exc:
+        raise KvevalError(f"the report of {run_dir} was not written: {exc} (its records and metrics.json are kept; "
+                          f"kveval report {run_dir} draws it again)") from None
 
 
 # ------------------------------------------------------------------------------------------- content
@@ -300,7 +300,7 @@ def _ruler_blocks(r: RunResults, out: Path, level: int) -> list[Block]:
 
 
 def _bytes(n) -> str:
-    from kveval.memory import format_bytes
+    from kveval.units import format_bytes
 
     return format_bytes(n) if _ok(n) else "?"
 
@@ -425,12 +425,13 @@ def kv_pairs(r: RunResults) -> list[tuple[str, str]]:
     """Pairs (low-bit-keys policy, low-bit-values policy) that differ only by swapping the K and V specs
     (e.g. k4v8 and k8v4)."""
     from kveval.policy import KVPolicy
+    from kveval.results.read import CONFIG_ERRORS
 
     pols = {}
     for p in r.policies:
         try:
             pols[p] = KVPolicy.from_config(r.policy_config(p), name=p)
-        except Exception:
+        except CONFIG_ERRORS:  # a policy this kveval cannot read (the run's summary says so): in no pair
             continue
     out = []
     names = list(pols)

@@ -31,7 +31,7 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
     cells, a sensitivity scan, noise floors) appear only when asked for, as they would after those tasks ran.
     """
     from kveval.memory import Arch
-    from kveval.memory.table import policy_memory_fields
+    from kveval.memory.rows import policy_memory_fields
     from kveval.policy import KVPolicy
 
     path = Path(path)

@@ -63,6 +63,7 @@ def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
             "max batch": _f(r["max_batch"], ".0f"),
             "needle acc": _f(r["needle_accuracy"], ".2f"),
             "noise floor ΔPPL %": _f(r["noise_floor_ppl_pct"], ".2f", prefix="±"),
+            "preset checked": "" if base else _checked(r["policy"]),
             "verdict": r["verdict"],
         }
         rows.append(row)
@@ -75,6 +76,15 @@ def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
     return out[keep]
 
 
+def _checked(policy: str) -> str:
+    """How the preset a policy is named after was checked (``system``, ``reference``, ``documented``:
+    :mod:`kveval.policy.provenance`); empty for a policy named after no system."""
+    from kveval.policy.provenance import check_of
+
+    check = check_of(str(policy))
+    return "" if check is None else check.kind
+
+
 def specs_table(res: RunResults) -> pd.DataFrame:
     """Policy name and its specification in words (the baseline included)."""
     return res.summary[["policy", "spec"]].reset_index(drop=True)
@@ -83,7 +93,7 @@ def specs_table(res: RunResults) -> pd.DataFrame:
 def memory_table(res: RunResults) -> pd.DataFrame:
     """The memory bill per policy at the run's context (batch 1), formatted: codes, scales (+ zero points),
     full-precision tokens, total (binary units), bytes per token and compression against FP16."""
-    from kveval.memory import format_bytes
+    from kveval.units import format_bytes
 
     mem = res.memory
     if mem.empty:

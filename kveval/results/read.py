@@ -18,6 +18,7 @@ column), never an error. The memory columns of runs that predate them are comput
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -30,6 +31,16 @@ import yaml
 from kveval.errors import KvevalError
 from kveval.fileio import scan_jsonl
 from kveval.results.layout import BASELINE, CONFIG_FILE, ENV_FILE, METRICS_FILE, RECORDS_FILE, TASK_ENTRIES
+
+log = logging.getLogger(__name__)
+#: what reading an old or foreign run's policy or shape back can raise: a config line (KvevalError), a spec
+#: (ValueError), a field of the wrong type or missing (TypeError, KeyError)
+CONFIG_ERRORS = (KvevalError, ValueError, TypeError, KeyError)
+
+
+def _first(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 #: Columns of ``RunResults.summary`` (always present, NaN where the run did not measure them).
 SUMMARY_COLUMNS = [
@@ -235,11 +246,13 @@ def describe_policy(cfg: Any, name: str) -> str:
         return "full precision (no KV quantization)"
     if cfg is None:
         return ""
-    try:
-        from kveval.policy import KVPolicy
+    from kveval.policy import KVPolicy
 
+    try:
         return KVPolicy.from_config(cfg, name=name).describe()
-    except Exception:  # an old or foreign config: the report still shows the numbers
+    except CONFIG_ERRORS as exc:  # an old or foreign config: the report still shows the numbers, and says why
+        log.warning("kveval: policy '%s' of this run is not a policy this kveval reads (%s); its description is "
+                    "left out", name, _first(exc))
         return ""
 
 
@@ -252,8 +265,9 @@ def _arch(metrics: dict, config: dict):
         try:
             return Arch(**{k: arch[k] for k in ("layers", "kv_heads", "head_dim") if k in arch},
                         **{k: arch[k] for k in ("name", "params", "weight_bytes_per_param") if arch.get(k) is not None})
-        except Exception:
-            pass
+        except CONFIG_ERRORS as exc:
+            log.warning("kveval: metrics.json's memory.arch is not a shape this kveval reads (%s); the model's "
+                        "named shape is used if it has one", _first(exc))
     model = str(metrics.get("model") or (config.get("model") or {}).get("name") or "").removeprefix("builtin:")
     if model in NAMED_SHAPES:
         return Arch.named(model)
@@ -288,7 +302,9 @@ def _memory(name: str, metrics: dict, config: dict) -> pd.DataFrame:
         try:
             pol = KVPolicy.preset("fp16") if pname == BASELINE else KVPolicy.from_config(pols[pname], name=pname)
             bill = kv_bytes(arch, pol, context)
-        except Exception:
+        except CONFIG_ERRORS as exc:
+            log.warning("kveval: the memory bill of policy '%s' in %s was not recomputed (%s); its row is left "
+                        "out of the memory table", pname, name, _first(exc))
             continue
         rows.append({"run": name, "policy": pname, "context": context, "codes": bill.codes, "scales": bill.scales,
                      "residual": bill.residual, "total": bill.total, "bytes_per_token": bill.bytes_per_token})

@@ -512,12 +512,9 @@ class TaskRecords:
 
 
 def _version() -> str | None:
-    try:
-        import kveval
+    import kveval
 
-        return kveval.__version__
-    except Exception:  # pragma: no cover
-        return None
+    return getattr(kveval, "__version__", None)
 
 
 def now() -> datetime:

@@ -66,7 +66,7 @@ class TaskResources(Strict):
     @classmethod
     def _size(cls, value):
         if value is not None:
-            from kveval.memory.table import parse_size
+            from kveval.units import parse_size
 
             try:
                 parse_size(value)

@@ -261,7 +261,7 @@ def ray_options(num_cpus: float, num_gpus: float, memory: str | None) -> dict:
     and the next sweep resumes it)."""
     opts: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": 0}
     if memory is not None:
-        from kveval.memory.table import parse_size
+        from kveval.units import parse_size
 
         opts["memory"] = parse_size(memory)
     return opts
@@ -343,12 +343,12 @@ def run_tasks(tasks: list[RunTask], options: dict, progress: SweepProgress,
             for ref in pending:
                 with contextlib.suppress(Exception):
                     ray.cancel(ref)
-            with contextlib.suppress(Exception):  # let each task stop its child (SIGINT, then SIGKILL)
+            with contextlib.suppress(ray.exceptions.RayError):  # let each task stop its child (SIGINT, SIGKILL)
                 ray.wait(list(pending), num_returns=len(pending), timeout=STOP_GRACE_S + 5)
             for ref, task in pending.items():
                 try:  # a run that ended on its own before the cancel reached it keeps its outcome
                     outcome = RunOutcome(**ray.get(ref, timeout=0.1))
-                except Exception:  # cancelled, or still stopping
+                except ray.exceptions.RayError:  # cancelled, or still stopping (GetTimeoutError is one too)
                     outcome = RunOutcome(task.name, INTERRUPTED, error="the sweep was interrupted; rerun it to "
                                          "resume this run", finished=now())
                 outcomes[task.name] = outcome

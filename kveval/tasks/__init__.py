@@ -1,14 +1,17 @@
-"""Evaluators, one module (or one package with a ``task`` module) per task in this folder, found by name.
+"""Evaluators, one package per task in this folder, found by name.
 
-A task module defines ``NAME`` (the key used in configs, equal to the module or package name), ``Params`` (a
-closed pydantic model of its parameters, based on ``kveval.schema.Strict``), ``run(ctx, params) -> metrics`` and
-optionally ``check(ctx, params)``, which raises ``KvevalError`` for bad input before the results folder is
-touched. Adding a task is adding a file (or a folder): see docs/extending.md.
+A task is a package ``kveval/tasks/<name>/`` with a light ``params.py`` (``NAME``, the key used in configs, equal
+to the folder's name, and ``Params``, a closed pydantic model of its parameters based on ``kveval.schema.Strict``)
+and a ``task.py`` (``run(ctx, params) -> metrics`` and optionally ``check(ctx, params)``, which raises
+``KvevalError`` for bad input before the results folder is touched; ``ctx`` is a
+:class:`kveval.tasks.context.TaskContext`). A single module ``kveval/tasks/<name>.py`` defining all four is a task
+too. Adding a task is adding a folder (or a file): see docs/extending.md.
 
-Discovery is lazy: ``TASKS`` lists the names from the folder without importing anything, and ``TASKS[name]``
-imports that one task. A task module keeps heavy imports (transformers, the patching code) inside its functions,
-so that ``kveval validate`` imports no model code. Task presets (ready-made parameter sets, ``- ppl_quick`` in a
-config) are YAML files in ``presets/``, shipped with the package.
+Discovery is lazy: ``TASKS`` lists the names from the folder without importing anything, ``TASKS[name]`` imports
+that one task, and ``task_params()`` imports only the parameter modules (what the config schema needs, so that
+``kveval validate`` imports no evaluator). A task module keeps heavy imports (transformers, the patching code)
+inside its functions. Task presets (ready-made parameter sets, ``- ppl_quick`` in a config) are YAML files in the
+top-level ``tasks/presets/`` (:mod:`kveval.task_definitions`), shipped with the package.
 """
 
 from __future__ import annotations
@@ -19,18 +22,20 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
-PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+from kveval.task_definitions import PRESETS_DIR
+
+#: modules of this folder that are not tasks
+NOT_TASKS = frozenset({"context"})
 
 
 class _TaskRegistry(Mapping[str, ModuleType]):
     """name -> task module, importing a module only when it is looked up."""
 
     def __init__(self) -> None:
-        self._paths = {
-            info.name: f"{__name__}.{info.name}" + (".task" if info.ispkg else "")
-            for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name)
-            if not info.name.startswith("_") and info.name != "presets"
-        }
+        infos = sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name)
+        found = [i for i in infos if not i.name.startswith("_") and i.name not in NOT_TASKS]
+        self._paths = {i.name: f"{__name__}.{i.name}" + (".task" if i.ispkg else "") for i in found}
+        self._params = {i.name: f"{__name__}.{i.name}" + (".params" if i.ispkg else "") for i in found}
         self._loaded: dict[str, ModuleType] = {}
 
     def __getitem__(self, name: str) -> ModuleType:
@@ -47,10 +52,23 @@ class _TaskRegistry(Mapping[str, ModuleType]):
     def __len__(self) -> int:
         return len(self._paths)
 
+    def params(self, name: str) -> type:
+        """The ``Params`` class of task ``name``, importing only its parameter module."""
+        module = importlib.import_module(self._params[name])
+        if getattr(module, "NAME", None) != name or not hasattr(module, "Params"):
+            raise TypeError(f"{module.__name__} is not a task's parameter module (NAME == {name!r} and Params)")
+        return module.Params
 
-TASKS: Mapping[str, ModuleType] = _TaskRegistry()
+
+TASKS = _TaskRegistry()
+
+
+def task_params() -> dict[str, type]:
+    """``{task name: its Params class}`` for every task, importing the parameter modules only."""
+    return {name: TASKS.params(name) for name in TASKS}
 
 
 def task_presets() -> dict[str, Path]:
-    """Task presets shipped with kveval (``kveval/tasks/presets/*.yaml``): name -> file."""
+    """Task presets shipped with kveval (``tasks/presets/*.yaml``, installed as ``kveval.task_definitions``):
+    name -> file."""
     return {p.stem: p for p in sorted(PRESETS_DIR.glob("*.yaml"))}

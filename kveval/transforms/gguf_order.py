@@ -23,34 +23,14 @@ chains (a llama.cpp preset then acts on them without it); an unknown model type 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import ClassVar
 
 import torch
 
+from kveval import gguf
+from kveval.gguf import gguf_permutation, to_gguf_order
 from kveval.transforms.base import KVTransform, TransformContext
 from kveval.transforms.registry import register
-
-#: HF ``model_type`` values whose GGUF files hold Q/K in the permuted order (see the module docstring)
-PERMUTED_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral"})
-
-
-@lru_cache(maxsize=16)
-def _perm(head_dim: int) -> torch.Tensor:
-    return torch.arange(head_dim).reshape(2, head_dim // 2).t().reshape(-1)
-
-
-def gguf_permutation(head_dim: int) -> torch.Tensor:
-    """Index map ``[head_dim]`` (int64): GGUF channel p holds HF channel ``perm[p]``, ``perm[2i + j] = j*d/2 + i``.
-    Worked: d = 8 -> [0, 4, 1, 5, 2, 6, 3, 7]."""
-    if head_dim <= 0 or head_dim % 2:
-        raise ValueError(f"the GGUF Q/K permutation needs an even head_dim; got {head_dim}")
-    return _perm(head_dim)
-
-
-def to_gguf_order(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., head_dim]`` in HF channel order -> GGUF order (a new tensor)."""
-    return x.index_select(-1, gguf_permutation(x.shape[-1]).to(x.device))
 
 
 @register
@@ -65,7 +45,7 @@ class GgufOrder(KVTransform):
         return True
 
     def applies_to(self, model_type: str | None) -> bool:
-        return model_type is None or model_type in PERMUTED_MODEL_TYPES
+        return model_type is None or model_type in gguf.PERMUTED_MODEL_TYPES
 
     def key_in(self, k: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
         return to_gguf_order(k)
@@ -74,4 +54,4 @@ class GgufOrder(KVTransform):
         return to_gguf_order(q)
 
 
-__all__ = ["GgufOrder", "PERMUTED_MODEL_TYPES", "gguf_permutation", "to_gguf_order"]
+__all__ = ["GgufOrder", "gguf_permutation", "to_gguf_order"]

@@ -27,21 +27,17 @@ explicit ``block`` must be a power of two dividing head_dim (else ValueError on 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import ClassVar
 
 import torch
 
-from kveval.transforms.base import Kind, KVTransform, TransformContext
+from kveval.quant.rotation import is_power_of_two, rotate_blocks
+from kveval.transforms.base import Kind, TransformContext
 from kveval.transforms.registry import register
+from kveval.transforms.rotation_base import RotationTransform
 
-ON = ("both", "key", "value")
 #: llama.cpp rotates only head dims that are multiples of this, and V always in blocks of this size
 LLAMACPP_MIN_BLOCK = 64
-
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def llamacpp_block(kind: Kind, head_dim: int) -> int:
@@ -58,50 +54,20 @@ def llamacpp_block(kind: Kind, head_dim: int) -> int:
     return n
 
 
-@lru_cache(maxsize=32)
-def _sylvester(n: int, dtype: torch.dtype) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    # the entries are +-1/sqrt(n) rounded once to the dtype, as llama.cpp fills its float32 matrix with 1/sqrtf(n)
-    scale = torch.tensor(float(n), dtype=dtype).sqrt().reciprocal()
-    return h.to(dtype) * scale
-
-
-def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The normalised Sylvester-Hadamard matrix ``[n, n]`` (n a power of two), symmetric and self-inverse; memoized
-    per (n, dtype) on the CPU. Worked: n = 2: [[1, 1], [1, -1]] / sqrt(2)."""
-    if not is_power_of_two(n):
-        raise ValueError(f"a Hadamard block must be a power of two; got {n}")
-    return _sylvester(n, dtype).to(device)
-
-
-def rotate_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
-    """``x [..., D]`` rotated in consecutive groups of n channels: ``y[..., g*n:(g+1)*n] = H_n x[..., g*n:(g+1)*n]``
-    (a new tensor of x's shape and dtype; float16/bfloat16 inputs are rotated in float32)."""
-    d = x.shape[-1]
-    if d % n:
-        raise ValueError(f"Hadamard block {n} does not divide head_dim {d}")
-    work = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    h = hadamard_matrix(n, work.dtype, work.device)
-    y = (work.reshape(*x.shape[:-1], d // n, n) @ h).reshape(x.shape)  # H symmetric: row @ H = H @ column
-    return y.to(x.dtype)
-
-
 @register
 @dataclass(frozen=True)
-class Hadamard(KVTransform):
+class Hadamard(RotationTransform):
     """Blocked Hadamard rotation kept in the cache (llama.cpp): ``on`` = ``key`` (Q with K), ``value`` (V with
     the output) or ``both``; ``block`` = the group size along head_dim (a power of two), 0 for llama.cpp's rule
     (``llamacpp_block``). Hooks see ``[batch, heads, T, head_dim]``."""
 
     name: ClassVar[str] = "hadamard"
+    sides: ClassVar[tuple[str, ...]] = ("both", "key", "value")
     on: str = "both"
     block: int = 0
 
     def __post_init__(self) -> None:
-        if self.on not in ON:
-            raise ValueError(f"'on' must be one of {', '.join(ON)}; got {self.on!r}")
+        self.check_on()
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 0 \
                 or (self.block and not is_power_of_two(self.block)):
             raise ValueError(f"'block' must be 0 (llama.cpp's rule) or a power of two; got {self.block!r}")
@@ -110,47 +76,9 @@ class Hadamard(KVTransform):
         """The block used on ``kind`` for a head_dim (0: no rotation)."""
         return self.block or llamacpp_block(kind, head_dim)
 
-    def _rotate(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, kind: Kind, ctx: TransformContext, back: bool = False) -> torch.Tensor:
         n = self.block_for(kind, x.shape[-1])
-        return rotate_blocks(x, n) if n else x
-
-    # --- which tensors ------------------------------------------------------------------------------------------
-    @property
-    def acts_on_keys(self) -> bool:
-        return self.on in ("both", "key")
-
-    @property
-    def acts_on_values(self) -> bool:
-        return self.on in ("both", "value")
-
-    @property
-    def has_query_hook(self) -> bool:
-        return self.acts_on_keys
-
-    @property
-    def has_output_hook(self) -> bool:
-        return self.acts_on_values
-
-    @property
-    def keeps_keys_transformed(self) -> bool:
-        return self.acts_on_keys
-
-    @property
-    def keeps_values_transformed(self) -> bool:
-        return self.acts_on_values
-
-    # --- hooks ------------------------------------------------------------------------------------------------------
-    def key_in(self, k: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._rotate(k, "key")
-
-    def query(self, q: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._rotate(q, "key")
-
-    def value_in(self, v: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._rotate(v, "value")
-
-    def output(self, o: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._rotate(o, "value")  # self-inverse
+        return rotate_blocks(x, n) if n else x  # H symmetric and self-inverse: back is the same product
 
 
-__all__ = ["Hadamard", "hadamard_matrix", "llamacpp_block", "rotate_blocks", "is_power_of_two"]
+__all__ = ["Hadamard", "LLAMACPP_MIN_BLOCK", "llamacpp_block"]

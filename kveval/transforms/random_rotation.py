@@ -20,36 +20,21 @@ with s = [1, -1] stores k = [3, 1] as [3, -1].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import ClassVar
 
 import torch
 
-from kveval.transforms.base import KVTransform, TransformContext
+from kveval.quant.rotation import RANDOM_KINDS, random_matrix
+from kveval.transforms.base import Kind, TransformContext
 from kveval.transforms.registry import register
+from kveval.transforms.rotation_base import RotationTransform, matrix_rotate
 
-KINDS = ("orthogonal", "signs")
-ON = ("key", "value", "both")
-
-
-@lru_cache(maxsize=256)
-def rotation_matrix(kind: str, seed: int, head_dim: int) -> torch.Tensor:
-    """Q [head_dim, head_dim] in float64 (module docstring) drawn from ``torch.Generator().manual_seed(seed)``;
-    orthogonal to float64 rounding (Q Q^T = I to about 1e-15)."""
-    if kind not in KINDS:
-        raise ValueError(f"'kind' must be one of {', '.join(KINDS)}; got {kind!r}")
-    g = torch.Generator().manual_seed(seed)
-    if kind == "signs":
-        s = torch.randint(0, 2, (head_dim,), generator=g).to(torch.float64) * 2 - 1
-        return torch.diag(s)
-    q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))
-    sign = torch.sign(torch.diagonal(r))
-    return q * torch.where(sign == 0, 1.0, sign)[None, :]
+KINDS = RANDOM_KINDS
 
 
 @register
 @dataclass(frozen=True)
-class RandomRotation(KVTransform):
+class RandomRotation(RotationTransform):
     """Seeded random rotation kept in the cache (module docstring): ``kind`` = ``orthogonal`` or ``signs``, ``seed``
     (layer l uses ``seed + l``), ``on`` = ``key`` (Q with K), ``value`` (V with the output) or ``both``."""
 
@@ -63,55 +48,15 @@ class RandomRotation(KVTransform):
             raise ValueError(f"'kind' must be one of {', '.join(KINDS)}; got {self.kind!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"'seed' must be a non-negative integer; got {self.seed!r}")
-        if self.on not in ON:
-            raise ValueError(f"'on' must be one of {', '.join(ON)}; got {self.on!r}")
+        self.check_on()
 
     def matrix(self, ctx: TransformContext, x: torch.Tensor) -> torch.Tensor:
         """This layer's Q in the working dtype of x (float64 for float64, else float32), on x's device."""
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return rotation_matrix(self.kind, self.seed + ctx.layer, x.shape[-1]).to(device=x.device, dtype=work)
+        return random_matrix(self.kind, self.seed + ctx.layer, x.shape[-1]).to(device=x.device, dtype=work)
 
-    def _apply(self, x: torch.Tensor, ctx: TransformContext, transpose: bool = False) -> torch.Tensor:
-        q = self.matrix(ctx, x)
-        return (x.to(q.dtype) @ (q.T if transpose else q)).to(x.dtype)
-
-    # --- which tensors ------------------------------------------------------------------------------------------
-    @property
-    def acts_on_keys(self) -> bool:
-        return self.on in ("key", "both")
-
-    @property
-    def acts_on_values(self) -> bool:
-        return self.on in ("value", "both")
-
-    @property
-    def has_query_hook(self) -> bool:
-        return self.acts_on_keys
-
-    @property
-    def has_output_hook(self) -> bool:
-        return self.acts_on_values
-
-    @property
-    def keeps_keys_transformed(self) -> bool:
-        return self.acts_on_keys
-
-    @property
-    def keeps_values_transformed(self) -> bool:
-        return self.acts_on_values
-
-    # --- hooks: [batch, heads, T, head_dim] ------------------------------------------------------------------------
-    def key_in(self, k: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._apply(k, ctx)
-
-    def query(self, q: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._apply(q, ctx)
-
-    def value_in(self, v: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._apply(v, ctx)
-
-    def output(self, o: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._apply(o, ctx, transpose=True)
+    def rotate(self, x: torch.Tensor, kind: Kind, ctx: TransformContext, back: bool = False) -> torch.Tensor:
+        return matrix_rotate(x, random_matrix(self.kind, self.seed + ctx.layer, x.shape[-1]), back)
 
 
-__all__ = ["KINDS", "RandomRotation", "rotation_matrix"]
+__all__ = ["KINDS", "RandomRotation"]

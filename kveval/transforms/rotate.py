@@ -29,40 +29,21 @@ transform (``kveval.policy.parse``); with ``pre_rope: true`` the shorthand defau
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import ClassVar
 
 import torch
 
-from kveval.transforms.base import KVTransform, TransformContext
-from kveval.transforms.hadamard import hadamard_matrix, is_power_of_two
-from kveval.transforms.random_rotation import rotation_matrix
+from kveval.quant.rotation import ROTATION_KINDS, is_power_of_two, rotation_matrix
+from kveval.transforms.base import Kind, TransformContext
 from kveval.transforms.registry import register
+from kveval.transforms.rotation_base import RotationTransform, matrix_rotate
 
-KINDS = ("hadamard", "hadamard_signs", "orthogonal")
-ON = ("key", "value", "both")
-
-
-@lru_cache(maxsize=256)
-def rotate_matrix(kind: str, block: int, seed: int, head_dim: int) -> torch.Tensor:
-    """M ``[head_dim, head_dim]`` float64 (module docstring); ``seed`` is the layer's (``seed + layer``)."""
-    if kind not in KINDS:
-        raise ValueError(f"'kind' must be one of {', '.join(KINDS)}; got {kind!r}")
-    if kind == "orthogonal":
-        return rotation_matrix("orthogonal", seed, head_dim)
-    b = block or head_dim
-    if not is_power_of_two(b) or head_dim % b:
-        raise ValueError(f"a Hadamard rotation needs a power-of-two block dividing head_dim {head_dim}; got "
-                         f"{'head_dim' if not block else block} (set 'block' to a power of two that divides it)")
-    h = torch.block_diag(*[hadamard_matrix(b, dtype=torch.float64)] * (head_dim // b))
-    if kind == "hadamard_signs":
-        return rotation_matrix("signs", seed, head_dim) @ h
-    return h
+KINDS = ROTATION_KINDS
 
 
 @register
 @dataclass(frozen=True)
-class Rotate(KVTransform):
+class Rotate(RotationTransform):
     """A rotation of K with Q and/or V with the output (module docstring): ``kind``, ``block`` (Hadamard kinds; 0 =
     head_dim), ``seed`` (random kinds; layer l uses ``seed + l``), ``on``, ``keep`` (cache stays rotated, or
     rotated back on read)."""
@@ -82,68 +63,22 @@ class Rotate(KVTransform):
             raise ValueError(f"'block' must be 0 (the whole head_dim) or a power of two; got {self.block!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"'seed' must be a non-negative integer; got {self.seed!r}")
-        if self.on not in ON:
-            raise ValueError(f"'on' must be one of {', '.join(ON)}; got {self.on!r}")
+        self.check_on()
         if not isinstance(self.keep, bool):
             raise ValueError(f"'keep' must be true or false; got {self.keep!r}")
 
     def check_head_dim(self, head_dim: int) -> None:
         if self.kind != "orthogonal":
-            rotate_matrix(self.kind, self.block, self.seed, head_dim)
+            rotation_matrix(self.kind, self.block, self.seed, head_dim)
 
     def matrix(self, ctx: TransformContext, x: torch.Tensor) -> torch.Tensor:
         """This layer's M in x's working dtype (float64 for float64, else float32), on x's device."""
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        m = rotate_matrix(self.kind, self.block, self.seed + ctx.layer, x.shape[-1])
+        m = rotation_matrix(self.kind, self.block, self.seed + ctx.layer, x.shape[-1])
         return m.to(device=x.device, dtype=work)
 
-    def _apply(self, x: torch.Tensor, ctx: TransformContext, back: bool = False) -> torch.Tensor:
-        m = self.matrix(ctx, x)
-        return (x.to(m.dtype) @ (m.T if back else m)).to(x.dtype)
-
-    # --- which tensors ------------------------------------------------------------------------------------------
-    @property
-    def acts_on_keys(self) -> bool:
-        return self.on in ("key", "both")
-
-    @property
-    def acts_on_values(self) -> bool:
-        return self.on in ("value", "both")
-
-    @property
-    def has_query_hook(self) -> bool:
-        return self.keep and self.acts_on_keys
-
-    @property
-    def has_output_hook(self) -> bool:
-        return self.keep and self.acts_on_values
-
-    @property
-    def keeps_keys_transformed(self) -> bool:
-        return self.keep and self.acts_on_keys
-
-    @property
-    def keeps_values_transformed(self) -> bool:
-        return self.keep and self.acts_on_values
-
-    # --- hooks --------------------------------------------------------------------------------------------------
-    def key_in(self, k: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._apply(k, ctx)
-
-    def key_out(self, k: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return k if self.keep else self._apply(k, ctx, back=True)
-
-    def query(self, q: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._apply(q, ctx) if self.keep else q
-
-    def value_in(self, v: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._apply(v, ctx)
-
-    def value_out(self, v: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return v if self.keep else self._apply(v, ctx, back=True)
-
-    def output(self, o: torch.Tensor, ctx: TransformContext) -> torch.Tensor:
-        return self._apply(o, ctx, back=True) if self.keep else o
+    def rotate(self, x: torch.Tensor, kind: Kind, ctx: TransformContext, back: bool = False) -> torch.Tensor:
+        return matrix_rotate(x, rotation_matrix(self.kind, self.block, self.seed + ctx.layer, x.shape[-1]), back)
 
 
-__all__ = ["KINDS", "Rotate", "rotate_matrix"]
+__all__ = ["KINDS", "Rotate"]

@@ -4,7 +4,7 @@
   ``fake_quantize_weight``, ``matrix_nbytes``;
 * ``spec`` (data): ``WeightVariant`` (name, QuantSpec, module groups), ``GgufVariant`` (a GGUF file's own
   quantized tensors), the weight presets, the config forms;
-* ``gguf_file`` (data): the checks on a GGUF variant's file and what its header says (tensor types per group);
+  and the checks on a GGUF variant's file (what its header says: :mod:`kveval.gguf`);
 * ``interaction`` (pure arithmetic): the KV effect, the weight effect, the combined effect and the excess of the
   combination over the sum of the two;
 * ``apply`` (plumbing): which matrices of a loaded model a variant covers (a GGUF variant: the file's tensors,

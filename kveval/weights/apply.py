@@ -19,7 +19,7 @@ puts the original tensors back on exit, also after an exception: the model's own
 and never copied.
 
 A GGUF variant (``{gguf: FILE}``, :class:`kveval.weights.spec.GgufVariant`; ``prepare`` dispatches on the kind)
-takes its tensors from the file instead: ``prepare`` checks the file (:mod:`kveval.weights.gguf_file`), loads it
+takes its tensors from the file instead: ``prepare`` checks the file (:func:`kveval.weights.spec.check_gguf_file`), loads it
 with ``kveval.models.load_model`` (transformers' GGUF loader through the conversion cache: llama.cpp's names
 mapped, its Q/K row order undone, dequantized to float32), requires the file's parameters to be the source's (same
 names, same shapes, same attention head counts; the first one that differs is named), and keeps, cast to the
@@ -42,10 +42,10 @@ from typing import Any
 import torch
 
 from kveval.errors import KvevalError
+from kveval.gguf import TENSOR_GROUPS, GgufHeader, read_header
 
-from .gguf_file import TENSOR_GROUPS, GgufHeader, check_gguf_file, read_header
 from .quantize import check_matrix, fake_quantize_weight, matrix_nbytes
-from .spec import MODULE_GROUPS, AnyVariant, GgufVariant, WeightVariant
+from .spec import MODULE_GROUPS, AnyVariant, GgufVariant, WeightVariant, check_gguf_file
 
 #: Module-path parts that mark an attention block / an MLP block (transformers' names across model families).
 ATTENTION_PARTS = ("self_attn", "attn", "attention", "self_attention", "cross_attn")
@@ -251,7 +251,7 @@ HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
 
 def param_groups(model: torch.nn.Module) -> tuple[dict[str, str], bool]:
     """``{parameter name: group}`` for every parameter of ``model`` (each tensor once, as ``named_parameters``
-    gives them), in the groups of :func:`kveval.weights.gguf_file.tensor_group`: the input embeddings
+    gives them), in the groups of :func:`kveval.gguf.tensor_group`: the input embeddings
     (``embeddings``; the tensor tied to the output projection too), the output projection (``lm_head``), the other
     matrices by module path (``attention``, ``mlp``), every other tensor (norms, biases) ``other``; and whether
     the input and output embeddings are one tensor."""

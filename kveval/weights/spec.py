@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kveval.errors import KvevalError
+from kveval.gguf import check_gguf
 from kveval.policy.parse import parse_spec
 from kveval.quant import QuantSpec, preset_names
 
@@ -285,7 +286,33 @@ def check_widths(variants: dict[str, AnyVariant], widths: dict[str, set[int]], m
                                       "spec whose groups divide every input width") from None
 
 
+
+def check_gguf_file(value: Any, where: str) -> Path:
+    """The path of an existing GGUF file (``~`` expanded) named by a variant's ``gguf``; KvevalError (one line,
+    starting with ``where``) when it does not exist, is not a file, has no GGUF magic and a version 2 or 3
+    (:func:`kveval.gguf.check_gguf`), or lacks the ``.gguf`` suffix transformers' loader needs."""
+    path = Path(str(value)).expanduser()
+    if not path.exists():
+        raise KvevalError(f"{where}: gguf file '{value}' does not exist")
+    if not path.is_file():
+        raise KvevalError(f"{where}: gguf '{value}' is not a file (give the path of a .gguf file)")
+    check_gguf(path, where, shown=str(value))
+    if path.suffix.lower() != ".gguf":
+        raise KvevalError(f"{where}: '{value}' is a GGUF file without the .gguf suffix; rename it to end in .gguf "
+                          "(transformers' loader needs it)")
+    return path
+
+
+def check_variant_files(variants: dict) -> None:
+    """:func:`check_gguf_file` for every GGUF variant of ``{NAME: variant}`` (what ``kveval validate`` can say of
+    the files without loading a model)."""
+    for name, v in variants.items():
+        file = getattr(v, "gguf", None)
+        if file is not None:
+            check_gguf_file(file, f"model.weights.{name}.gguf")
+
+
 __all__ = ["DEFAULT_MODULES", "GGUF_KEYS", "MODULE_GROUPS", "REFERENCE", "RESERVED_NAMES", "WEIGHT_PRESETS",
-           "AnyVariant", "GgufVariant", "WeightVariant", "check_variant_name", "check_widths", "normalise_weights",
+           "AnyVariant", "GgufVariant", "WeightVariant", "check_gguf_file", "check_variant_files", "check_variant_name", "check_widths", "normalise_weights",
            "widths_from_config", "parse_modules", "parse_variant", "parse_variants", "parse_weight_spec",
            "weight_preset_names"]

@@ -58,6 +58,9 @@ def test_cache_type_spellings():
 
 
 # --------------------------------------------------------------------------------------------------- the library
+#: every llamacpp_* preset's cache type (kveval/policy/provenance.py says this test checks them all), each with the
+#: rotation on and off; plus the mixed K/V types of kveval parity's defaults
+SUITE_TYPES = [*DEFAULT_TYPES, "q4_1/q4_1", "q5_0/q5_0", "q5_1/q5_1", "iq4_nl/iq4_nl"]
 @pytest.fixture(scope="module")
 def two_layers():
     """(model, ids, rows): the builtin model cut to 2 layers; rows for the default types, rotation on and off."""
@@ -68,13 +71,13 @@ def two_layers():
     model, tok = load_model("builtin:smollm2-135m")
     truncate(model, 2)
     ids = load_tokens("builtin", tok, max_tokens=TOKENS)
-    rows = run_model(model, "builtin:smollm2-135m", ids, _types(None, None))
+    rows = run_model(model, "builtin:smollm2-135m", ids, _types(SUITE_TYPES, None))
     return model, ids, rows
 
 
 @pytest.mark.integration
 @needs_llama_cpp
-@pytest.mark.parametrize("label", [c.label for c in _types(None, None)])
+@pytest.mark.parametrize("label", [c.label for c in _types(SUITE_TYPES, None)])
 def test_kveval_reproduces_llamacpp_on_two_layers(label, two_layers):
     row = next(r for r in two_layers[2] if r.cache_type == label)
     assert row.ref_kld > 1e-6, "the cache type must change llama.cpp's logits, or the check proves nothing"

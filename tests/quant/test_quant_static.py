@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from kveval.calibration.ranges import calibrate_ranges, mse_ranges, percentile_ranges
 from kveval.quant import (
     QuantSpec,
     dequantize,
@@ -17,6 +16,7 @@ from kveval.quant import (
     split_outliers,
 )
 from kveval.rope import rotate, unrotate
+from kveval.scales.ranges import calibrate_ranges, mse_ranges, percentile_ranges
 
 
 def test_qparams_from_range_worked_example():

@@ -3,6 +3,7 @@ well as `kveval run` (before the first forward pass), and a bad rerun leaves the
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -195,6 +196,30 @@ def test_infinite_gpu_memory(h, tmp_path):
 
 def test_gpu_memory_beyond_any_gpu(h, tmp_path):
     h.assert_user_error(_validate(h, tmp_path, h.tiny_raw(memory={"gpu_memory": "1e30GiB"})), "larger than any GPU")
+
+
+@pytest.mark.parametrize(("size", "needle"), [("1e30GiB", "larger than any GPU"), ("1e400GiB", "not a finite size"),
+                                              ("10**40", "bad memory size"), ("-1GiB", "bad memory size")])
+def test_memory_command_with_an_impossible_gpu_memory(h, size, needle):
+    """``kveval memory --gpu-memory`` takes sizes as the config does: beyond 1 EiB, infinite or malformed is one
+    line (it used to end in an OverflowError traceback)."""
+    h.assert_user_error(h.invoke("memory", "--shape", "llama-7b-mha", "--context", "2048", "--kv", "int8",
+                                 "--gpu-memory", size), needle)
+
+
+def test_a_short_window_with_the_default_position_bins_runs(h, tmp_path):
+    """seq_len below the default 8 position bins: one bin per position, not an error (more bins than positions,
+    asked for explicitly, is still one)."""
+    from kveval.config import validate
+
+    raw = h.tiny_raw(tmp_path / "run", tasks=[{"perplexity": {"seq_len": 4, "max_tokens": 16, "bootstrap": 0}}])
+    assert validate(raw).tasks[0].params.position_bins == 4
+    result = h.invoke("run", h.write_config(tmp_path / "c.yaml", raw), "--quiet")
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert len(metrics["policies"]["int8"]["kld_by_position"]) == 4
+    raw["tasks"][0]["perplexity"]["position_bins"] = 5
+    h.assert_user_error(_validate(h, tmp_path, raw), "position_bins 5 is more than seq_len 4")
 
 
 def test_zero_gpu_memory(h, tmp_path):

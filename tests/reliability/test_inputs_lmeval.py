@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ROOT / "tests" / "lmeval_tasks"
+SHIPPED = ROOT / "tasks" / "lm_eval"
 
 
 def _data_task(folder: Path, name: str, rows: str, *, doc_to_text: str = "Q: {{q}}\\nA:") -> Path:
@@ -122,21 +122,21 @@ def test_template_that_reaches_into_python_is_refused(h, tmp_path):
     inc = _data_task(tmp_path / "inc", "ssti", '{"q": "hi", "a": "x"}\n',
                      doc_to_text="{{ q.__class__.__mro__[1].__subclasses__() }}")
     h.assert_user_error(h.invoke("run", _config(h, tmp_path, inc, ["ssti"])), "reaches into Python",
-                        "--allow-code", strict=False)
+                        "--allow-code")
     assert not (tmp_path / "out").exists()
 
 
 def test_null_text_field_names_the_document(h, tmp_path):
     rows = '{"q": "hi", "a": "x"}\n{"q": null, "a": "y"}\n'
     cfg = _config(h, tmp_path, _data_task(tmp_path / "inc", "nulls", rows), ["nulls"])
-    h.assert_user_error(h.invoke("run", cfg), "document 1", "line 2", "q: null", strict=False)
+    h.assert_user_error(h.invoke("run", cfg), "document 1", "line 2", "q: null")
     assert not (tmp_path / "out").exists()
 
 
 def test_null_target_names_the_document(h, tmp_path):
     rows = '{"q": "hi", "a": "x"}\n{"q": "ho", "a": null}\n'
     cfg = _config(h, tmp_path, _data_task(tmp_path / "inc", "nullt", rows), ["nullt"])
-    h.assert_user_error(h.invoke("run", cfg), "a: null", "doc_to_target", strict=False)
+    h.assert_user_error(h.invoke("run", cfg), "a: null", "doc_to_target")
 
 
 def test_unknown_task_through_kveval_lm_eval(h, monkeypatch):
@@ -152,7 +152,7 @@ def test_unknown_task_through_kveval_lm_eval(h, monkeypatch):
     monkeypatch.setattr("lm_eval.tasks.TaskManager", LocalOnly)
     result = h.invoke("lm-eval", "--kv", "int8", "--model", "builtin:tiny-llama", "--", "--tasks",
                       "no_such_task_xyz", "--limit", "1")
-    h.assert_user_error(result, "no_such_task_xyz", strict=False)
+    h.assert_user_error(result, "no_such_task_xyz")
 
 
 def test_policy_file_with_duplicate_keys(tmp_path):

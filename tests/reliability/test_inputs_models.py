@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import kveval.models as km
+import kveval.models.cache as kcache
+import kveval.models.load as kload
 from kveval.errors import KvevalError
 from kveval.models import build_tiny_model, byte_tokenizer, load_model, tiny_model_config
 
@@ -93,13 +95,13 @@ def test_folder_that_needs_remote_code(h, tmp_path):
 def test_folder_with_garbage_tokenizer(h, tmp_path):
     folder = _save_tiny(tmp_path / "m")
     (folder / "tokenizer.json").write_text("{not json")
-    h.assert_user_error(_run(h, tmp_path, str(folder)), "cannot be loaded", strict=False)
+    h.assert_user_error(_run(h, tmp_path, str(folder)), "cannot be loaded")
 
 
 def test_folder_with_garbage_safetensors(h, tmp_path):
     folder = _save_tiny(tmp_path / "m")
     (folder / "model.safetensors").write_bytes(os.urandom(4096))
-    h.assert_user_error(_run(h, tmp_path, str(folder)), "cannot be loaded", strict=False)
+    h.assert_user_error(_run(h, tmp_path, str(folder)), "cannot be loaded")
 
 
 def test_garbage_gguf(h, tmp_path):
@@ -115,7 +117,7 @@ def test_gguf_of_an_unknown_version(h, tmp_path):
 def test_gguf_with_a_garbage_body(h, tmp_path, monkeypatch):
     monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
     (tmp_path / "m.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + os.urandom(4096))
-    h.assert_user_error(_run(h, tmp_path, str(tmp_path / "m.gguf")), "not a GGUF model", strict=False)
+    h.assert_user_error(_run(h, tmp_path, str(tmp_path / "m.gguf")), "not a GGUF model")
     assert not [p for p in (tmp_path / "cache" / "models").iterdir()], "nothing is left in the cache"
 
 
@@ -124,8 +126,7 @@ def test_gguf_with_a_garbage_body(h, tmp_path, monkeypatch):
 
 def test_nan_weights_are_refused_at_load(h, tmp_path):
     folder = _save_tiny(tmp_path / "m", nan=True)
-    h.assert_user_error(_run(h, tmp_path, str(folder)), "model.layers.1.mlp.down_proj.weight", "NaN",
-                        strict=False)
+    h.assert_user_error(_run(h, tmp_path, str(folder)), "model.layers.1.mlp.down_proj.weight", "NaN")
     assert not (tmp_path / "out").exists()
 
 
@@ -137,7 +138,7 @@ def test_weights_that_overflow_float16_when_cast(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "m")
     assert load_model(str(tmp_path / "m"), dtype="bfloat16")  # bfloat16 has float32's range
     with pytest.raises(KvevalError, match="hold infinity.*use a wider dtype"):
-        km._finish(build_like(tmp_path / "m"), byte_tokenizer(), "m", torch.device("cpu"), torch.float16)
+        kload._finish(build_like(tmp_path / "m"), byte_tokenizer(), "m", torch.device("cpu"), torch.float16)
 
 
 def build_like(folder: Path):
@@ -151,8 +152,7 @@ def test_activations_that_overflow_float16_stop_the_run(h, tmp_path):
     model's fault, exits 2, and writes no NaN metrics."""
     folder = _save_tiny(tmp_path / "m", scale_mlp=1000.0)
     result = _run(h, tmp_path, {"name": str(folder), "dtype": "float16"})
-    h.assert_user_error(result, "the model's own logits hold", "float16", "without any KV quantization",
-                        strict=False)
+    h.assert_user_error(result, "the model's own logits hold", "float16", "without any KV quantization")
     assert not (tmp_path / "out" / "metrics.json").exists()
     records = tmp_path / "out" / "records.jsonl"
     assert not records.exists() or records.read_text() == ""
@@ -202,7 +202,7 @@ def _entry(tmp_path: Path) -> Path:
     entry = tmp_path / "entry"
     _save_tiny(entry)
     km.write_marker(entry, source)
-    assert km._verify_entry(entry) is None
+    assert kcache._verify_entry(entry) is None
     return entry
 
 
@@ -216,7 +216,7 @@ def test_cache_entry_with_a_flipped_block_in_the_middle(tmp_path):
         f.seek(size // 2)
         f.write(bytes(b ^ 0xFF for b in block))
     assert weights.stat().st_size == size
-    assert "model.safetensors changed" in km._verify_entry(entry)
+    assert "model.safetensors changed" in kcache._verify_entry(entry)
 
 
 def test_cache_entry_with_an_edited_config(tmp_path):
@@ -224,7 +224,7 @@ def test_cache_entry_with_an_edited_config(tmp_path):
     text = (entry / "config.json").read_text()
     (entry / "config.json").write_text(text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-01'))
     assert (entry / "config.json").read_text() != text
-    assert "config.json" in km._verify_entry(entry)
+    assert "config.json" in kcache._verify_entry(entry)
 
 
 def test_cache_entry_with_an_edited_tokenizer_of_the_same_size(tmp_path):
@@ -233,13 +233,13 @@ def test_cache_entry_with_an_edited_tokenizer_of_the_same_size(tmp_path):
     i = data.index(b'"<unk>"')
     data[i + 2] = ord("x")  # same length
     (entry / "tokenizer.json").write_bytes(bytes(data))
-    assert "tokenizer.json" in km._verify_entry(entry)
+    assert "tokenizer.json" in kcache._verify_entry(entry)
 
 
 def test_cache_entry_with_an_extra_file(tmp_path):
     entry = _entry(tmp_path)
     (entry / "modeling_evil.py").write_text("print('hi')\n")
-    assert "unexpected file modeling_evil.py" in km._verify_entry(entry)
+    assert "unexpected file modeling_evil.py" in kcache._verify_entry(entry)
 
 
 def test_cache_entry_with_an_old_marker_is_rebuilt(tmp_path):
@@ -247,7 +247,7 @@ def test_cache_entry_with_an_old_marker_is_rebuilt(tmp_path):
     marker = json.loads((entry / km.MARKER).read_text())
     marker["format"] = 1
     (entry / km.MARKER).write_text(json.dumps(marker))
-    assert km._verify_entry(entry) == "marker of another format"
+    assert kcache._verify_entry(entry) == "marker of another format"
 
 
 def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
@@ -279,10 +279,35 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
         assert p.is_dir(), p
 
 
+def test_temporaries_with_a_lock_file_follow_the_lock(tmp_path):
+    """A temporary folder with a lock file beside it is removed when nobody holds the lock (its writer died),
+    however fresh, and kept while the lock is held, however old; a lock file whose folder is gone is removed
+    once free."""
+    from kveval.models.temporaries import holding_lock
+
+    models = tmp_path / "models"
+    models.mkdir()
+    entry = "SmolLM2-135M-Instruct.Q4_1-be52718836c8c51d"
+    dead = models / f".{entry}.0a1b2c3d.pid{os.getpid()}"  # this process is alive, but its lock is free
+    dead.mkdir()
+    (models / (dead.name + ".lock")).write_text("")
+    held = models / f".{entry}.1a1b2c3d.pid999999"
+    held.mkdir()
+    old = time.time() - 10 * km.STALE_TEMP_SECONDS
+    os.utime(held, (old, old))
+    orphan = models / f".{entry}.2a1b2c3d.pid999998.lock"
+    orphan.write_text("")
+    with holding_lock(held):
+        assert (models / (held.name + ".lock")).exists()
+        assert km.clean_stale_temporaries(models) == [dead]
+        assert held.is_dir() and not dead.exists() and not orphan.exists()
+    assert not (models / (held.name + ".lock")).exists(), "the writer removes its lock file when it is done"
+
+
 @pytest.mark.integration
 def test_killed_conversion_leaves_nothing_behind(tmp_path):
-    """A GGUF conversion killed midway leaves its temporary folder; the next load removes it (once its process
-    is gone and it is stale), instead of keeping 500 MiB in the cache forever."""
+    """A GGUF conversion killed midway leaves its temporary folder; the next load removes it at once (nobody
+    holds its lock any more), instead of keeping 500 MiB in the cache until it is old enough."""
     cache = tmp_path / "cache"
     env = {**os.environ, "KVEVAL_CACHE": str(cache)}
     proc = subprocess.Popen([sys.executable, "-c", "from kveval.models import load_model; "
@@ -298,11 +323,7 @@ def test_killed_conversion_leaves_nothing_behind(tmp_path):
     proc.wait()
     assert temps, "the conversion was killed while it wrote its temporary folder"
     assert all(p.name.endswith(f".pid{proc.pid}") for p in temps)
-    assert km.clean_stale_temporaries(models) == [], "a fresh temporary folder is kept (it may still be written)"
-    old = time.time() - 2 * km.STALE_TEMP_SECONDS
-    for p in temps:
-        for q in [p, *p.iterdir()]:
-            os.utime(q, (old, old))
+    # the conversion's lock died with it: the next look removes its folder at once, however fresh
     assert sorted(km.clean_stale_temporaries(models)) == sorted(temps)
     assert not [p for p in models.iterdir() if p.name.startswith(".")]
 
@@ -316,7 +337,7 @@ def test_builtin_cache_with_a_flipped_block_is_rebuilt(tmp_path, monkeypatch):
     ids = torch.tensor([tok("The KV cache holds keys and values.", add_special_tokens=False).input_ids])
     with torch.no_grad():
         ref = model(ids).logits
-    entry = km.gguf_cache_path(km._smollm2_gguf())
+    entry = km.gguf_cache_path(km.smollm2_gguf())
     weights = entry / "model.safetensors"
     size = weights.stat().st_size
     with open(weights, "r+b") as f:
@@ -325,10 +346,10 @@ def test_builtin_cache_with_a_flipped_block_is_rebuilt(tmp_path, monkeypatch):
         f.seek(size // 2)
         f.write(bytes(b ^ 0x55 for b in block))
     calls = []
-    real = km._convert_gguf
-    monkeypatch.setattr(km, "_convert_gguf", lambda *a: (calls.append(a), real(*a))[1])
+    real = kcache._convert_gguf
+    monkeypatch.setattr(kcache, "_convert_gguf", lambda *a: (calls.append(a), real(*a))[1])
     model, tok = load_model("builtin:smollm2-135m")
     assert len(calls) == 1, "the changed entry was rebuilt"
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)
-    assert km._verify_entry(entry) is None
+    assert kcache._verify_entry(entry) is None

@@ -13,10 +13,10 @@ import pytest
 import torch
 import yaml
 
-from kveval.calibration.ranges import Ranges
-from kveval.calibration.scales_file import load_scales, save_scales
 from kveval.errors import KvevalError
 from kveval.memory import Arch
+from kveval.scales.file import load_scales, save_scales
+from kveval.scales.ranges import Ranges
 
 
 def _scan(folder: Path, *, layers: int = 4, edit=None) -> Path:
@@ -218,7 +218,7 @@ def test_corrupt_auto_scales_can_be_recalibrated(h, tmp_path):
     kept = [line for line in records.read_text().splitlines(keepends=True) if '"policy": "s"' not in line]
     records.write_text("".join(kept))
     (tmp_path / "out" / "metrics.json").unlink()
-    h.assert_user_error(h.invoke("run", cfg, "--quiet"), str(scales), "delete it", strict=False)
+    h.assert_user_error(h.invoke("run", cfg, "--quiet"), str(scales), "delete it")
     scales.unlink()
     again = h.invoke("run", cfg, "--quiet")
     assert again.exit_code == 0, again.output

@@ -297,23 +297,32 @@ def test_report_output_that_is_a_file_is_refused(run, tmp_path):
     assert (tmp_path / "out.txt").read_text() == "x"
 
 
-def test_a_failed_report_at_the_end_of_a_run_keeps_the_run(tmp_path, capsys):
+def test_a_failed_report_at_the_end_of_a_run_keeps_the_run(tmp_path):
+    """A report that fails at the end of a run: the run says so in one line and exits 2; its records and
+    metrics.json are written (the same as a run whose report succeeds), and the lock is released."""
     from kveval.commands.run import run_experiment
     from kveval.config import validate
 
     out = tmp_path / "run"
     cfg = {"name": "tiny", "model": "builtin:tiny-llama", "data": "builtin", "kv": ["int8"], "output": str(out),
            "tasks": [{"perplexity": {"seq_len": 32, "max_tokens": 64, "bootstrap": 0, "position_bins": 2}}]}
-    run_experiment(validate(cfg), quiet=True)
+    metrics = run_experiment(validate(cfg), quiet=True)
     (out / "metrics.json").unlink()
+    records = (out / "records.jsonl").read_bytes()
     (tmp_path / "elsewhere").mkdir()
     shutil.rmtree(out / "plots")
     (out / "plots").symlink_to(tmp_path / "elsewhere")  # in the way of the report, not of the run
-    metrics = run_experiment(validate(cfg), quiet=True)
+    with pytest.raises(KvevalError) as info:
+        run_experiment(validate(cfg), quiet=True)
+    assert str(info.value).startswith(f"the report of {out} was not written:") and "\n" not in str(info.value)
     assert json.loads((out / "metrics.json").read_text()) == json.loads(json.dumps(metrics))
-    assert "the report of" in capsys.readouterr().err
+    assert (out / "records.jsonl").read_bytes() == records
     assert os.listdir(tmp_path / "elsewhere") == []
     assert not (out / LOCK_FILE).exists()
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    one_line_exit_2(CliRunner().invoke(app, ["run", str(path), "--quiet"]), "was not written", "kveval report")
+    assert (out / "records.jsonl").read_bytes() == records
 
 
 # --------------------------------------------------------------------------- the primitives

@@ -64,14 +64,10 @@ divide is refused with one line (`QuantFormat.check_head_dim` / the group granul
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .base import QParams, QuantFormat, check_finite, minmax, nonzero, store
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
+from .base import QParams, Spec, check_finite, minmax, nonzero, store
+from .segment import QuantFormat
 
 #: magnitudes of the E2M1 codes 0..7 (codes 8..15: the same, negative)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -163,7 +159,7 @@ class _FP4Format(QuantFormat):
     granularities: tuple[str, ...] = ("group",)
     scale_dtypes: tuple[str, ...] = ("e8m0",)
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         if spec.bits != 4:
             raise ValueError(f"QuantSpec.bits must be 4 for format {self.name!r} (E2M1 codes); got {spec.bits}")
         super().validate(spec)
@@ -182,57 +178,57 @@ class _FP4Format(QuantFormat):
 
     _scale_words = "E8M0"
 
-    def check_head_dim(self, spec: QuantSpec, head_dim: int) -> None:
+    def check_head_dim(self, spec: Spec, head_dim: int) -> None:
         if head_dim % self.block:
             raise ValueError(f"format {self.name!r} quantizes blocks of {self.block} elements: head_dim {head_dim} "
                              f"is not a multiple of {self.block}")
 
-    def code_bits(self, spec: QuantSpec) -> int:
+    def code_bits(self, spec: Spec) -> int:
         return 4
 
-    def bits_label(self, spec: QuantSpec) -> str:
+    def bits_label(self, spec: Spec) -> str:
         return "FP4"
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.uint8
 
-    def pack(self, codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    def pack(self, codes: torch.Tensor, spec: Spec) -> torch.Tensor:
         return pack_nibbles(codes)
 
-    def unpack(self, packed: torch.Tensor, spec: QuantSpec, n: int) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor, spec: Spec, n: int) -> torch.Tensor:
         if packed.dtype != torch.uint8 or packed.shape[-1] != self.row_nbytes(spec, n):
             raise ValueError(f"expected uint8 [..., {self.row_nbytes(spec, n)}] for {n} {self.name} codes; got "
                              f"{packed.dtype} {tuple(packed.shape)}")
         return unpack_nibbles(packed)
 
-    def row_nbytes(self, spec: QuantSpec, head_dim: int) -> int:
+    def row_nbytes(self, spec: Spec, head_dim: int) -> int:
         return head_dim // 2
 
-    def param_nbytes(self, spec: QuantSpec) -> int:
+    def param_nbytes(self, spec: Spec) -> int:
         return 1  # one E8M0 byte per block
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> QParams:
         raise ValueError(f"format {self.name!r} computes its block scales from each block; it takes no fixed "
                          "parameters")
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         raise ValueError(f"format {self.name!r} computes its block scales from each block; it takes no fixed "
                          "parameters")
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         """x^ = value(code) * scale (the block scale as a float: 2^E): exact products."""
         return e2m1_decode(codes, scale.dtype).mul_(scale)
 
-    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> torch.Tensor:
+    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         codes, qp = self.fit(xv, dims, spec)
         return self.decode(codes, qp.scale.to(xv.dtype), None, spec)
 
-    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> QParams:
+    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> QParams:
         return self.fit(xv, dims, spec)[1]
 
-    def describe(self, spec: QuantSpec) -> str:
+    def describe(self, spec: Spec) -> str:
         return f"{self.name} (E2M1, g{self.block}, {self._scale_words} scales)"
 
 
@@ -247,7 +243,7 @@ class MXFP4Format(_FP4Format):
     name = "mxfp4"
     block = 32
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         """xv [..., 32] (group segment): codes [..., 32], E8M0 scales [..., 1]."""
         amax = xv.abs().amax(-1, keepdim=True)
         check_finite(amax)
@@ -263,7 +259,7 @@ class FP4Block16Format(_FP4Format):
     name = "fp4_mx_block16"
     block = 16
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         """xv [..., 16]: codes [..., 16], E8M0 scales [..., 1] (byte = e + 127), as ``batched_quantize``."""
         amax = xv.abs().amax(-1, keepdim=True)
         check_finite(amax)
@@ -271,7 +267,7 @@ class FP4Block16Format(_FP4Format):
         codes = e2m1_half_up(xv / torch.exp2(e))
         return codes, QParams(_e8m0(e + E8M0_BIAS))
 
-    def describe(self, spec: QuantSpec) -> str:
+    def describe(self, spec: Spec) -> str:
         return f"{self.name} (E2M1, g16, power-of-two E8M0 scales, SGLang)"
 
 
@@ -345,22 +341,22 @@ class NVFP4Format(_FP4Format):
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # vLLM converts the bf16/fp16 K/V to float32
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.int16
 
-    def row_nbytes(self, spec: QuantSpec, head_dim: int) -> int:
+    def row_nbytes(self, spec: Spec, head_dim: int) -> int:
         return head_dim // 2 + head_dim // NVFP4_BLOCK  # vLLM's nvfp4_kv_cache_full_dim
 
-    def param_nbytes(self, spec: QuantSpec) -> int:
+    def param_nbytes(self, spec: Spec) -> int:
         return 4  # the fp32 per-tensor (per-head) scale
 
-    def pack(self, codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    def pack(self, codes: torch.Tensor, spec: Spec) -> torch.Tensor:
         """int16 codes [..., D] -> vLLM's row [..., D/2 + D/16]: packed E2M1 nibbles, then one E4M3 byte per 16."""
         c = codes.to(torch.int16)
         sf = ((_blocks(c, NVFP4_BLOCK)[..., 0] >> 4) & 0xFF).to(torch.uint8)
         return torch.cat([pack_nibbles(c & 0xF), sf], dim=-1)
 
-    def unpack(self, packed: torch.Tensor, spec: QuantSpec, n: int) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor, spec: Spec, n: int) -> torch.Tensor:
         if packed.dtype != torch.uint8 or packed.shape[-1] != self.row_nbytes(spec, n):
             raise ValueError(f"expected uint8 [..., {self.row_nbytes(spec, n)}] for {n} {self.name} codes; got "
                              f"{packed.dtype} {tuple(packed.shape)}")
@@ -368,7 +364,7 @@ class NVFP4Format(_FP4Format):
         sf = packed[..., n // 2 :].to(torch.int16).repeat_interleave(NVFP4_BLOCK, dim=-1)
         return e2 | (sf << 4)
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> QParams:
         """s_t = static_scale (vLLM's k_scale; 1.0 without checkpoint scales), or clip_ratio * amax / (6 * 448)
         for a calibrated range, stored as float32."""
         if spec.static_scale is not None:
@@ -376,29 +372,29 @@ class NVFP4Format(_FP4Format):
         absmax = torch.maximum(-mn, mx) * spec.clip_ratio
         return QParams(store(absmax / (E2M1_MAX * E4M3_MAX), torch.float32))
 
-    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> QParams:
+    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> QParams:
         mn, mx = minmax(xv, dims)
         check_finite(mn, mx)
         return self.range_qparams(mn, mx, spec)
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         qp = self.group_qparams(xv, dims, spec)
         return self.encode(xv, qp.scale.to(xv.dtype), None, spec), qp
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         """xv [..., D] (a tensor or head segment: whole rows), scale broadcastable [.., 1] (s_t): int16 codes."""
         return nvfp4_encode(xv.to(torch.float32), nonzero(scale), self.four_over_six)
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         return nvfp4_decode(codes, scale).to(scale.dtype)
 
-    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> torch.Tensor:
+    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         codes, qp = self.fit(xv, dims, spec)
         return self.decode(codes, qp.scale.to(xv.dtype), None, spec)
 
-    def describe(self, spec: QuantSpec) -> str:
+    def describe(self, spec: Spec) -> str:
         s = f"static s_t {spec.static_scale:g}" if spec.static_scale is not None else "calibrated s_t"
         per = "per-head" if spec.granularity == "head" else "per-tensor"
         return f"{self.name} (E2M1, g16 E4M3 scales, {per} fp32 {s})"

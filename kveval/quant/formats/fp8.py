@@ -7,14 +7,10 @@ fp8 1.625 -> 3.25. Codes are the fp8 values themselves (one byte each, stored as
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .base import QParams, QuantFormat, nonzero, symmetric_qparams
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
+from .base import QParams, Spec, nonzero, symmetric_qparams
+from .segment import QuantFormat
 
 
 def _fp8_to_float(codes: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
@@ -36,44 +32,44 @@ class FP8Format(QuantFormat):
     def __init__(self, name: str, dtype: torch.dtype, fmax: float):
         self.name, self.dtype, self.fmax = name, dtype, fmax
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         if spec.bits != 8:
             raise ValueError(f"QuantSpec.bits must be 8 for format {self.name!r}; got {spec.bits}")
         super().validate(spec)
 
-    def code_bits(self, spec: QuantSpec) -> int:
+    def code_bits(self, spec: Spec) -> int:
         return 8
 
-    def bits_label(self, spec: QuantSpec) -> str:
+    def bits_label(self, spec: Spec) -> str:
         return "FP8"
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return self.dtype
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> QParams:
         return symmetric_qparams(mn, mx, spec, self.fmax)
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         return (xv / nonzero(scale)).clamp_(-self.fmax, self.fmax).to(self.dtype)
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         out = torch.empty(codes.shape, dtype=scale.dtype, device=codes.device)
         return _fp8_to_float(codes, out=out).mul_(scale)
 
-    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> torch.Tensor:
+    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         """The fp8 round trip reuses the float buffer: one full-size allocation, not two."""
         s = self.group_qparams(xv, dims, spec).scale.to(xv.dtype)
         q = (xv / nonzero(s)).clamp_(-self.fmax, self.fmax)
         _fp8_to_float(q.to(self.dtype), out=q)
         return q.mul_(s)
 
-    def pack(self, codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    def pack(self, codes: torch.Tensor, spec: Spec) -> torch.Tensor:
         """The fp8 bytes as they are: uint8 [..., D] (a view of the codes)."""
         return codes.view(torch.uint8)
 
-    def unpack(self, packed: torch.Tensor, spec: QuantSpec, n: int) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor, spec: Spec, n: int) -> torch.Tensor:
         if packed.dtype != torch.uint8 or packed.shape[-1] != n:
             raise ValueError(f"expected uint8 [..., {n}] for {n} fp8 codes; got {packed.dtype} "
                              f"{tuple(packed.shape)}")

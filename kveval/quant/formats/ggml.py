@@ -28,14 +28,10 @@ elements 0..15, high nibbles 16..31) but the byte count, 34/18/20/22/24 per bloc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .base import SHORT_DTYPE, QParams, QuantFormat, check_finite
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
+from .base import SHORT_DTYPE, QParams, Spec, check_finite
+from .segment import QuantFormat
 
 # name -> (bits, mapping); all are group 32 along head_dim with float16 scale d (and float16 min m for *_1).
 GGML_TYPES: dict[str, tuple[int, str]] = {
@@ -133,7 +129,7 @@ class GgmlFormat(QuantFormat):
         self.name = kind
         self.bits, self.mapping = GGML_TYPES[kind]
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         want = dict(format="int", bits=self.bits, mapping=self.mapping, granularity="group", group_size=GGML_BLOCK,
                     scale_dtype="float16", zero_point="float", clip_ratio=1.0, static_scale=None, outliers=0.0)
         bad = {k: getattr(spec, k) for k, v in want.items() if getattr(spec, k) != v}
@@ -143,39 +139,39 @@ class GgmlFormat(QuantFormat):
             raise ValueError(f"QuantSpec.ggml={self.name!r} requires {need} (got {got}); "
                              f"use preset({self.name!r})")
 
-    def code_bits(self, spec: QuantSpec) -> int:
+    def code_bits(self, spec: Spec) -> int:
         return self.bits
 
-    def describe(self, spec: QuantSpec) -> str:
+    def describe(self, spec: Spec) -> str:
         return f"{self.name} (ggml, g32, {SHORT_DTYPE[spec.scale_dtype]} scales)"
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # as gguf, whatever the input
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.int8 if self.mapping == "symmetric" else torch.uint8
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> QParams:
         raise ValueError(f"{self.name} takes no parameters from a range (its codes use the unrounded block scale)")
 
-    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> QParams:
+    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> QParams:
         """The stored float16 d (and min) of blocks xv [..., 32]."""
         return self.fit(xv, dims, spec)[1]
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         q, d, m = ggml_quantize_blocks(xv, self.name)
         return q.to(self.code_dtype(spec)), QParams(d, m)
 
-    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> torch.Tensor:
+    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         q, d, m = ggml_quantize_blocks(xv, self.name)
         return ggml_dequantize_blocks(q, d, m)
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         raise ValueError("qparams cannot be given for ggml types (their codes use the unrounded block scale)")
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         return ggml_dequantize_blocks(codes.to(scale.dtype), scale, zero_point)
 
 

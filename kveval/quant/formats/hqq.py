@@ -55,14 +55,10 @@ clamps to the largest finite value).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .base import MODEL_DTYPE, SCALE_TORCH_DTYPES, QParams, QuantFormat, check_finite, store
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
+from .base import MODEL_DTYPE, SCALE_TORCH_DTYPES, QParams, Spec, check_finite, store
+from .segment import QuantFormat
 
 #: hqq 0.2.8.post1 ``optimize_weights_proximal_legacy`` defaults (kappa 1.01 is unused by that solver)
 HQQ_ITERS = 20
@@ -133,7 +129,7 @@ class HqqFormat(QuantFormat):
     mappings = ("asymmetric",)
     supports_static = False  # the zero point is fitted to the values, not to a range
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         if spec.bits not in BITS:
             raise ValueError(f"QuantSpec.bits must be 1, 2, 4 or 8 for format 'hqq' (hqq packs 3-bit codes ten to an "
                              f"int32 across rows, which has no per-row byte count); got {spec.bits}")
@@ -147,23 +143,23 @@ class HqqFormat(QuantFormat):
         if spec.clip_ratio != 1.0:
             raise ValueError("format 'hqq' takes no clip_ratio (its solver moves the zero point instead)")
 
-    def code_bits(self, spec: QuantSpec) -> int:
+    def code_bits(self, spec: Spec) -> int:
         return spec.bits
 
-    def short_name(self, spec: QuantSpec) -> str:
+    def short_name(self, spec: Spec) -> str:
         return f"hqq{spec.bits}"
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.uint8
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> QParams:
         raise ValueError("format 'hqq' fits its zero point to the values (half-quadratic solver); it takes no range "
                          "or fixed parameters")
 
-    def _storage(self, spec: QuantSpec, fallback: torch.dtype) -> torch.dtype:
+    def _storage(self, spec: Spec, fallback: torch.dtype) -> torch.dtype:
         return fallback if spec.scale_dtype == MODEL_DTYPE else SCALE_TORCH_DTYPES[spec.scale_dtype]
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         """Codes (uint8, xv's shape) and the stored (scale, zero) ``[..., 1]`` of segment xv ``[..., g]`` (groups
         along its last dim): `hqq_fit` in float32, codes from the float32 c and z (as hqq), parameters rounded to
         the storage dtype."""
@@ -174,11 +170,11 @@ class HqqFormat(QuantFormat):
         wide = torch.promote_types(c.dtype, sdt)  # a float64 storage holds the float32 values exactly
         return codes.to(torch.uint8), QParams(store((1.0 / c).to(wide), sdt), store(z.to(wide), sdt))
 
-    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> QParams:
+    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> QParams:
         return self.fit(xv, dims, spec)[1]
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         """Codes from given (stored) parameters: ``clamp(round(x * (1 / s) + z), 0, 2^b - 1)``. kveval's own paths
         call `fit` (codes from hqq's float32 inverse scale), this only for parameters passed to ``quantize``."""
         assert zero_point is not None
@@ -186,7 +182,7 @@ class HqqFormat(QuantFormat):
         return torch.round(xv * (1.0 / scale) + zero_point).clamp_(0, top).to(torch.uint8)
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         """``x^ = (q - z) * s`` in the storage dtype (hqq's ``Quantizer.dequantize`` in its compute_dtype), returned
         in scale's dtype."""
         assert zero_point is not None

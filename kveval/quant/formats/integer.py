@@ -19,17 +19,13 @@ is half to even (torch.round). Codes are packed as a bitstream of b-bit integers
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .base import SCALE_TORCH_DTYPES, QParams, QuantFormat, nonzero, store, symmetric_qparams
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
+from .base import SCALE_TORCH_DTYPES, QParams, Spec, nonzero, store, symmetric_qparams
+from .segment import QuantFormat
 
 
-def int_levels(spec: QuantSpec) -> tuple[int, int]:
+def int_levels(spec: Spec) -> tuple[int, int]:
     """(lowest, highest) code: [-2^(b-1), 2^(b-1)-1] symmetric, [0, 2^b-1] asymmetric."""
     if spec.mapping == "symmetric":
         return -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
@@ -41,22 +37,22 @@ class IntFormat(QuantFormat):
 
     name = "int"
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         if not 1 <= spec.bits <= 8:
             raise ValueError(f"QuantSpec.bits must be in 1..8 for format 'int'; got {spec.bits}")
         if spec.bits == 1 and spec.mapping == "symmetric":
             raise ValueError("QuantSpec.bits=1 requires mapping='asymmetric' (symmetric 1-bit has no non-zero level)")
 
-    def code_bits(self, spec: QuantSpec) -> int:
+    def code_bits(self, spec: Spec) -> int:
         return spec.bits
 
-    def short_name(self, spec: QuantSpec) -> str:
+    def short_name(self, spec: Spec) -> str:
         return f"int{spec.bits}"
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.int8 if spec.mapping == "symmetric" else torch.uint8
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> QParams:
         top = int_levels(spec)[1]
         if spec.mapping == "symmetric":
             return symmetric_qparams(mn, mx, spec, top)
@@ -73,7 +69,7 @@ class IntFormat(QuantFormat):
         return QParams(s, z)
 
     def round_codes(self, xv: torch.Tensor, s: torch.Tensor, zp: torch.Tensor | None,
-                    spec: QuantSpec) -> torch.Tensor:
+                    spec: Spec) -> torch.Tensor:
         """Codes of xv as integer-valued floats in xv's dtype (a new tensor); s, zp in xv's dtype."""
         lo, hi = int_levels(spec)
         safe = nonzero(s)
@@ -85,7 +81,7 @@ class IntFormat(QuantFormat):
         return (xv / safe).round_().add_(zp).clamp_(lo, hi)  # + z turns a -0.0 code into +0.0
 
     def reconstruct_(self, q: torch.Tensor, s: torch.Tensor, zp: torch.Tensor | None,
-                     spec: QuantSpec) -> torch.Tensor:
+                     spec: Spec) -> torch.Tensor:
         """x^ from float codes q, in place on q. Shared by `fake` and `decode`, so both agree bit for bit."""
         if spec.mapping == "symmetric":
             return torch.addcmul(q.new_zeros(()), q, s, out=q)  # q*s, with -0.0 (from round(-0.3)) -> +0.0
@@ -95,14 +91,14 @@ class IntFormat(QuantFormat):
         return q.sub_(zp).mul_(s)
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         return self.round_codes(xv, scale, zero_point, spec).to(self.code_dtype(spec))
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         return self.reconstruct_(codes.to(scale.dtype), scale, zero_point, spec)
 
-    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> torch.Tensor:
+    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         """One min/max pass, then divide, round, clamp, multiply in place on one temporary."""
         qp = self.group_qparams(xv, dims, spec)
         s = qp.scale.to(xv.dtype)

@@ -30,15 +30,10 @@ dequantized to float32 (``dequantize_row_iq4_nl``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .base import QParams, check_finite
+from .base import QParams, Spec, check_finite
 from .ggml import GgmlFormat
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
 
 NAME = "iq4_nl"
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -113,19 +108,19 @@ class IQ4NLFormat(GgmlFormat):
         self.name = NAME
         self.bits, self.mapping = 4, "symmetric"
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.uint8
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         idx, d = iq4_nl_blocks(xv.to(torch.float32))
         return idx.to(torch.uint8), QParams(d, None)
 
-    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> torch.Tensor:
+    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         idx, d = iq4_nl_blocks(xv.to(torch.float32))
         return iq4_nl_decode(idx, d)
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         return iq4_nl_decode(codes, scale).to(scale.dtype)
 
 

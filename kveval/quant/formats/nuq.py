@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -65,16 +65,14 @@ from .base import (
     SCALE_TORCH_DTYPES,
     SHORT_DTYPE,
     QParams,
-    QuantFormat,
+    Spec,
+    TensorFormat,
     TensorParts,
     check_finite,
     minmax,
     nonzero,
     store,
 )
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
 
 #: the bit widths KVQuant's ``QuantLinearSim`` takes
 NUQ_BITS = (2, 3, 4, 5)
@@ -176,16 +174,15 @@ def _centre(hi: torch.Tensor, lo: torch.Tensor, cdt: torch.dtype) -> tuple[torch
     return store((h + low) / 2, sdt).to(cdt), store((h - low) / 2, sdt).to(cdt)
 
 
-class NuqFormat(QuantFormat):
+class NuqFormat(TensorFormat):
     """KVQuant's non-uniform codes (module docstring). Codes uint8 [B, H, T, D]; scale / zero point: the bounds hi /
     lo; outliers: [B, 1, T, 2k] values and indices into the token's row; codebook: float32 [2^b] when calibrated."""
 
     name = "nuq"
     mappings = ("asymmetric",)
     supports_static = False
-    whole_tensor = True
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         if spec.bits not in NUQ_BITS:
             raise ValueError(f"QuantSpec.bits must be one of {', '.join(map(str, NUQ_BITS))} for format 'nuq' "
                              f"(KVQuant's widths); got {spec.bits}")
@@ -201,39 +198,30 @@ class NuqFormat(QuantFormat):
             raise ValueError(f"format 'nuq' takes no clip_ratio (its bounds are percentiles); got {spec.clip_ratio!r}")
         super().validate(spec)
 
-    def takes_calibration(self, spec: QuantSpec) -> bool:
+    def takes_calibration(self, spec: Spec) -> bool:
         return True  # the codebook (and, per channel, the bounds) come from the scales file
 
-    def code_bits(self, spec: QuantSpec) -> int:
+    def code_bits(self, spec: Spec) -> int:
         return spec.bits
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.uint8
 
-    def short_name(self, spec: QuantSpec) -> str:
+    def short_name(self, spec: Spec) -> str:
         return f"nuq{spec.bits}"
 
-    def describe(self, spec: QuantSpec) -> str:
+    def describe(self, spec: Spec) -> str:
         where = "per channel, calibrated bounds" if spec.granularity == "channel" else "per token over all kv heads"
         sparse = f", {100 * spec.outliers:g}% threshold outliers" if spec.outliers else ""
         return f"nuq{spec.bits} non-uniform codebook {where}{sparse} ({SHORT_DTYPE[spec.scale_dtype]} bounds)"
 
-    def bits_per_element(self, spec: QuantSpec, head_dim: int) -> float:
+    def bits_per_element(self, spec: Spec, head_dim: int) -> float:
         """The codes only: the bounds are shared by all kv heads of a token (or calibrated), the outliers depend on
         the number of heads (`tensor_nbytes` counts both)."""
         return 8 * self.row_nbytes(spec, head_dim) / head_dim
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
-        raise ValueError("format 'nuq' takes its bounds from a scales file (kveval calibrate), not from a range")
-
-    def encode(self, xv, scale, zero_point, spec):  # whole-tensor format: quantize_tensor does the work
-        raise NotImplementedError("format 'nuq' quantizes whole tensors (quantize_tensor)")
-
-    def decode(self, codes, scale, zero_point, spec):
-        raise NotImplementedError("format 'nuq' dequantizes whole tensors (dequantize_tensor)")
-
     # ---- whole tensors ----------------------------------------------------------------------------------------
-    def _codebook(self, spec: QuantSpec, qparams: QParams | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _codebook(self, spec: Spec, qparams: QParams | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the codebook to use, the stored one or None)."""
         cb = None if qparams is None else qparams.codebook
         if cb is None:
@@ -242,7 +230,8 @@ class NuqFormat(QuantFormat):
             raise ValueError(f"a nuq{spec.bits} codebook has {2**spec.bits} entries; got shape {tuple(cb.shape)}")
         return cb, cb
 
-    def quantize_tensor(self, x: torch.Tensor, spec: QuantSpec, qparams: QParams | None) -> TensorParts:
+    def quantize_tensor(self, x: torch.Tensor, spec: Spec, qparams: QParams | None,
+                        channel_block: int | None = None) -> TensorParts:
         B, H, T, D = x.shape
         n = H * D
         cdt = self.compute_dtype(x.dtype)
@@ -305,7 +294,7 @@ class NuqFormat(QuantFormat):
             index = at.to(index_dtype(n)).reshape(B, 1, T, 2 * k)
         return TensorParts(codes, hi_s, lo_s, channel, values, index, stored_book)
 
-    def dequantize_tensor(self, qt) -> torch.Tensor:
+    def dequantize_tensor(self, qt: Any) -> torch.Tensor:
         spec = qt.spec
         B, H, T, D = qt.shape
         n = H * D
@@ -320,8 +309,8 @@ class NuqFormat(QuantFormat):
             x.scatter_(-1, qt.outlier_index.reshape(B, T, -1).long(), qt.outlier_values.reshape(B, T, -1).to(cdt))
         return x.reshape(B, T, H, D).permute(0, 2, 1, 3).to(qt.dtype).contiguous()
 
-    def tensor_nbytes(self, spec: QuantSpec, shape: tuple[int, int, int, int], dtype: torch.dtype,
-                      static: bool) -> dict[str, int]:
+    def tensor_nbytes(self, spec: Spec, shape: tuple[int, int, int, int], dtype: torch.dtype, static: bool,
+                      channel_block: int | None = None) -> dict[str, int]:
         """codes B*H*T*ceil(D*b/8); bounds: 2 per channel and head (channel, static) or 2 per token (token) in
         scale_dtype, plus the float32 codebook [2^b] when calibrated (``static``); outliers B*T*2k slots of one
         value in ``dtype`` and one index. Worked: nuq4, token, p = 0.01, fp32 bounds, calibrated, fp16 values,

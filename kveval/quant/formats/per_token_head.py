@@ -39,15 +39,13 @@ float32, so INT4 codes match vLLM's CPU path on float32 inputs, not the GPU's bf
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import torch
 
-from .base import QParams, QuantFormat, check_finite
+from ..rotation import walsh_hadamard
+from .base import QParams, Spec, check_finite
 from .fp4 import E4M3_MAX, e4m3_rne, pack_nibbles, unpack_nibbles
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
+from .segment import QuantFormat
 
 SCALE_FLOOR = 1e-6
 RHT_SEED = 0x9E3779B9
@@ -71,28 +69,15 @@ def rht_signs(d: int) -> torch.Tensor:
     return 2.0 * torch.bernoulli(torch.full((d,), 0.5), generator=gen) - 1.0
 
 
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalised Walsh-Hadamard transform along the last dimension (Sylvester order, H H = D I), as the
-    butterfly of vLLM's ``fast_hadamard_transform`` CPU tier: pairs (a, b) at stride h -> (a + b, a - b)."""
-    d = x.shape[-1]
-    h = 1
-    while h < d:
-        v = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
-        a, b = v[..., 0, :], v[..., 1, :]
-        x = torch.stack([a + b, a - b], dim=-2).reshape(x.shape)
-        h *= 2
-    return x
-
-
 def rht(x: torch.Tensor) -> torch.Tensor:
     """H (d1 * x) along the last dimension."""
-    return hadamard(x * rht_signs(x.shape[-1]).to(x))
+    return walsh_hadamard(x * rht_signs(x.shape[-1]).to(x))
 
 
 def rht_inverse(y: torch.Tensor) -> torch.Tensor:
     """d1 * (H y) / D, the inverse of `rht`."""
     d = y.shape[-1]
-    return hadamard(y) * rht_signs(d).to(y) / d
+    return walsh_hadamard(y) * rht_signs(d).to(y) / d
 
 
 class _PerTokenHead(QuantFormat):
@@ -101,7 +86,7 @@ class _PerTokenHead(QuantFormat):
     supports_static = False
     bits: int = 8
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         if spec.bits != self.bits:
             raise ValueError(f"QuantSpec.bits must be {self.bits} for format {self.name!r}; got {spec.bits}")
         super().validate(spec)
@@ -114,20 +99,20 @@ class _PerTokenHead(QuantFormat):
         if spec.clip_ratio != 1.0 or spec.outliers:
             raise ValueError(f"format {self.name!r} takes no clip_ratio or outliers (vLLM's kernel has none)")
 
-    def code_bits(self, spec: QuantSpec) -> int:
+    def code_bits(self, spec: Spec) -> int:
         return self.bits
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # the Triton kernels load K/V as float32
 
-    def param_nbytes(self, spec: QuantSpec) -> int:
+    def param_nbytes(self, spec: Spec) -> int:
         return 4  # one float32 per token and head (INT4: the zero point lives in its low bits)
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> QParams:
         raise ValueError(f"format {self.name!r} computes its scales per token when the token is written; it takes no "
                          "fixed parameters")
 
-    def describe(self, spec: QuantSpec) -> str:
+    def describe(self, spec: Spec) -> str:
         return f"{self.name} (vLLM, per token and head, fp32 scales)"
 
 
@@ -137,28 +122,28 @@ class Int8PerTokenHead(_PerTokenHead):
     name = "int8_per_token_head"
     mappings = ("symmetric",)
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.int8
 
-    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> QParams:
+    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> QParams:
         amax = xv.abs().amax(-1, keepdim=True)
         check_finite(amax)
         return QParams(_row_scale(amax.to(torch.float32), 127.0))
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         y = xv.to(torch.float32) * (1.0 / scale.to(torch.float32))
         return _round_half_away(y).clamp_(-128, 127).to(torch.int8)
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         return codes.to(scale.dtype).mul_(scale)
 
-    def pack(self, codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    def pack(self, codes: torch.Tensor, spec: Spec) -> torch.Tensor:
         """The int8 codes' own bytes (two's complement, as vLLM's int8 cache holds them)."""
         return codes.contiguous().view(torch.uint8)
 
-    def unpack(self, packed: torch.Tensor, spec: QuantSpec, n: int) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor, spec: Spec, n: int) -> torch.Tensor:
         if packed.dtype != torch.uint8 or packed.shape[-1] != n:
             raise ValueError(f"expected uint8 [..., {n}] for {n} int8 codes; got {packed.dtype} {tuple(packed.shape)}")
         return packed.view(torch.int8)
@@ -170,29 +155,29 @@ class Fp8PerTokenHead(_PerTokenHead):
     name = "fp8_per_token_head"
     mappings = ("symmetric",)
 
-    def bits_label(self, spec: QuantSpec) -> str:
+    def bits_label(self, spec: Spec) -> str:
         return "FP8"
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.float8_e4m3fn
 
-    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> QParams:
+    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> QParams:
         amax = xv.abs().amax(-1, keepdim=True)
         check_finite(amax)
         return QParams(_row_scale(amax.to(torch.float32), E4M3_MAX))
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         return e4m3_rne(xv.to(torch.float32) * (1.0 / scale.to(torch.float32)))
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         return codes.to(scale.dtype).mul_(scale)
 
-    def pack(self, codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    def pack(self, codes: torch.Tensor, spec: Spec) -> torch.Tensor:
         return codes.contiguous().view(torch.uint8)
 
-    def unpack(self, packed: torch.Tensor, spec: QuantSpec, n: int) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor, spec: Spec, n: int) -> torch.Tensor:
         if packed.dtype != torch.uint8 or packed.shape[-1] != n:
             raise ValueError(f"expected uint8 [..., {n}] for {n} fp8 codes; got {packed.dtype} {tuple(packed.shape)}")
         return packed.view(torch.float8_e4m3fn)
@@ -218,21 +203,21 @@ class Int4PerTokenHead(_PerTokenHead):
     mappings = ("asymmetric",)
     bits = 4
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         super().validate(spec)
         if spec.zero_point != "int":
             raise ValueError(f"format {self.name!r} has an integer zero point (in the scale's low bits): zero_point "
                              f"must be 'int'; got {spec.zero_point!r}")
 
-    def check_head_dim(self, spec: QuantSpec, head_dim: int) -> None:
+    def check_head_dim(self, spec: Spec, head_dim: int) -> None:
         if head_dim < 2 or head_dim & (head_dim - 1):
             raise ValueError(f"format {self.name!r} rotates rows by a Hadamard matrix: head_dim must be a power of "
                              f"two; got {head_dim}")
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.uint8
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         y = rht(xv.to(torch.float32))
         mn, mx = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
         check_finite(mn, mx)
@@ -241,37 +226,37 @@ class Int4PerTokenHead(_PerTokenHead):
         q = _round_half_away(y * (1.0 / s) + z).clamp_(0, 15)
         return q.to(torch.uint8), QParams(int4_pth_scale_word(s, z))
 
-    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> QParams:
+    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> QParams:
         return self.fit(xv, dims, spec)[1]
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         raise ValueError(f"format {self.name!r} computes its scales per token when the token is written; it takes no "
                          "fixed parameters")
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         s, z = int4_pth_unword(scale)
         y = (codes.to(torch.float32) - z) * s
         return rht_inverse(y).to(scale.dtype)
 
-    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> torch.Tensor:
+    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         codes, qp = self.fit(xv, dims, spec)
         return self.decode(codes, qp.scale.to(xv.dtype), None, spec)
 
-    def pack(self, codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    def pack(self, codes: torch.Tensor, spec: Spec) -> torch.Tensor:
         return pack_nibbles(codes)
 
-    def unpack(self, packed: torch.Tensor, spec: QuantSpec, n: int) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor, spec: Spec, n: int) -> torch.Tensor:
         if packed.dtype != torch.uint8 or packed.shape[-1] != n // 2:
             raise ValueError(f"expected uint8 [..., {n // 2}] for {n} int4 codes; got {packed.dtype} "
                              f"{tuple(packed.shape)}")
         return unpack_nibbles(packed)
 
-    def row_nbytes(self, spec: QuantSpec, head_dim: int) -> int:
+    def row_nbytes(self, spec: Spec, head_dim: int) -> int:
         return head_dim // 2
 
-    def describe(self, spec: QuantSpec) -> str:
+    def describe(self, spec: Spec) -> str:
         return f"{self.name} (vLLM, Hadamard-rotated, asym per token and head, fp32 scale + zp in its low bits)"
 
 

@@ -17,15 +17,10 @@ Gaussian data). Codes int8 in [-127, 127], 34 bytes per block with the scale, as
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .base import QParams, check_finite
+from .base import QParams, Spec, check_finite
 from .ggml import GgmlFormat
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
 
 NAME = "q8_0_x86"
 
@@ -47,11 +42,11 @@ class Q8_0X86Format(GgmlFormat):
         self.name = NAME
         self.bits, self.mapping = 8, "symmetric"
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         q, d = q8_0_x86_blocks(xv.to(torch.float32))
         return q.to(torch.int8), QParams(d, None)
 
-    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> torch.Tensor:
+    def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         q, d = q8_0_x86_blocks(xv.to(torch.float32))
         return q.mul_(d.to(torch.float32))
 

@@ -48,14 +48,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-from .base import SCALE_TORCH_DTYPES, SHORT_DTYPE, QParams, QuantFormat, check_finite, minmax, store
-
-if TYPE_CHECKING:
-    from ..spec import QuantSpec
+from ..rotation import hadamard_matrix
+from .base import SCALE_TORCH_DTYPES, SHORT_DTYPE, QParams, Spec, check_finite, minmax, store
+from .segment import QuantFormat
 
 #: ``u = k / (n + NORM_EPS)`` (triton_turboquant_store)
 NORM_EPS = 1e-8
@@ -128,15 +126,7 @@ def midpoints(head_dim: int, bits: int) -> torch.Tensor:
     return _tables(head_dim, bits)[1].clone()
 
 
-def hadamard(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The normalised Sylvester-Hadamard matrix [head_dim, head_dim] (``kveval.transforms.hadamard``; its entries
-    +-1/sqrt(D) rounded once to ``dtype``, as vLLM's float32 ``H / math.sqrt(d)``)."""
-    from kveval.transforms.hadamard import hadamard_matrix  # lazy: kveval.transforms imports kveval.quant
-
-    return hadamard_matrix(head_dim, dtype, device)
-
-
-def _check_bits(name: str, spec: QuantSpec) -> None:
+def _check_bits(name: str, spec: Spec) -> None:
     if not 1 <= spec.bits <= MAX_BITS:
         raise ValueError(f"QuantSpec.bits must be in 1..{MAX_BITS} for format {name!r}; got {spec.bits}")
     if spec.granularity != "token":
@@ -158,30 +148,30 @@ class TurboQuantFormat(QuantFormat):
     def __init__(self, name: str, norm_correction: bool):
         self.name, self.norm_correction = name, norm_correction
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         _check_bits(self.name, spec)
         super().validate(spec)
 
-    def check_head_dim(self, spec: QuantSpec, head_dim: int) -> None:
+    def check_head_dim(self, spec: Spec, head_dim: int) -> None:
         if head_dim < 2 or head_dim & (head_dim - 1):
             raise ValueError(f"format {self.name!r} rotates by a Hadamard matrix: head_dim must be a power of two; "
                              f"got {head_dim}")
 
-    def code_bits(self, spec: QuantSpec) -> int:
+    def code_bits(self, spec: Spec) -> int:
         return spec.bits
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.uint8
 
-    def short_name(self, spec: QuantSpec) -> str:
+    def short_name(self, spec: Spec) -> str:
         return f"tq{spec.bits}" + ("-nc" if self.norm_correction else "")
 
-    def describe(self, spec: QuantSpec) -> str:
+    def describe(self, spec: Spec) -> str:
         nc = ", norm correction" if self.norm_correction else ""
         return (f"{self.short_name(spec)} (Hadamard + Lloyd-Max codebook per vector{nc}, "
                 f"{SHORT_DTYPE[spec.scale_dtype]} norm)")
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> QParams:
         raise ValueError(f"format {self.name!r} takes no parameters from a range (its scale is each vector's norm)")
 
     def _norm(self, xv: torch.Tensor) -> torch.Tensor:
@@ -189,30 +179,30 @@ class TurboQuantFormat(QuantFormat):
         check_finite(n)
         return n
 
-    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> QParams:
+    def group_qparams(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> QParams:
         """The stored norm of each vector of xv [..., D] (NaN/Inf raise ValueError)."""
         return QParams(store(self._norm(xv), _scale_dtype(spec)))
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         """Codes of xv [..., D] given each vector's norm ``scale`` [..., 1] (``fit`` passes the unrounded norm)."""
         d = xv.shape[-1]
         self.check_head_dim(spec, d)
-        y = (xv / (scale + NORM_EPS)) @ hadamard(d, xv.dtype, xv.device)
+        y = (xv / (scale + NORM_EPS)) @ hadamard_matrix(d, xv.dtype, xv.device)
         m = _tables(d, spec.bits)[1].to(device=xv.device, dtype=xv.dtype)
         return torch.bucketize(y, m, right=True).to(torch.uint8)
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         n = self._norm(xv)
         return self.encode(xv, n, None, spec), QParams(store(n, _scale_dtype(spec)))
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         d = codes.shape[-1]
         v = _tables(d, spec.bits)[0].to(device=codes.device, dtype=scale.dtype)[codes.long()]
         if self.norm_correction:
             v = v * (1.0 / torch.sqrt((v * v).sum(-1, keepdim=True) + NC_EPS))
-        return (scale * v) @ hadamard(d, scale.dtype, scale.device)
+        return (scale * v) @ hadamard_matrix(d, scale.dtype, scale.device)
 
 
 class TurboQuantUniformFormat(QuantFormat):
@@ -226,37 +216,37 @@ class TurboQuantUniformFormat(QuantFormat):
     def __init__(self, name: str):
         self.name = name
 
-    def validate(self, spec: QuantSpec) -> None:
+    def validate(self, spec: Spec) -> None:
         _check_bits(self.name, spec)
         if spec.zero_point != "float":
             raise ValueError(f"format {self.name!r} stores the min as its zero point: zero_point must be 'float'; "
                              f"got {spec.zero_point!r}")
         super().validate(spec)
 
-    def code_bits(self, spec: QuantSpec) -> int:
+    def code_bits(self, spec: Spec) -> int:
         return spec.bits
 
-    def code_dtype(self, spec: QuantSpec) -> torch.dtype:
+    def code_dtype(self, spec: Spec) -> torch.dtype:
         return torch.uint8
 
-    def short_name(self, spec: QuantSpec) -> str:
+    def short_name(self, spec: Spec) -> str:
         return f"tq-uint{spec.bits}"
 
-    def _params(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    def _params(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> torch.Tensor:
         s = (mx - mn) / (2**spec.bits - 1)
         return torch.where(s > SCALE_FLOOR, s, SCALE_FLOOR)
 
-    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: QuantSpec) -> QParams:
+    def range_qparams(self, mn: torch.Tensor, mx: torch.Tensor, spec: Spec) -> QParams:
         sdt = _scale_dtype(spec)
         return QParams(store(self._params(mn, mx, spec), sdt), store(mn, sdt))
 
     def encode(self, xv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         assert zero_point is not None
         q = ((xv - zero_point) / scale).add_(0.5).trunc_()
         return q.clamp_(0, 2**spec.bits - 1).to(torch.uint8)
 
-    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: QuantSpec) -> tuple[torch.Tensor, QParams]:
+    def fit(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> tuple[torch.Tensor, QParams]:
         mn, mx = minmax(xv, dims)
         check_finite(mn, mx)
         s = self._params(mn, mx, spec)
@@ -264,12 +254,12 @@ class TurboQuantUniformFormat(QuantFormat):
         return self.encode(xv, s, mn, spec), QParams(store(s, sdt), store(mn, sdt))
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               spec: QuantSpec) -> torch.Tensor:
+               spec: Spec) -> torch.Tensor:
         assert zero_point is not None
         return codes.to(scale.dtype) * scale + zero_point
 
 
-def _scale_dtype(spec: QuantSpec) -> torch.dtype:
+def _scale_dtype(spec: Spec) -> torch.dtype:
     return SCALE_TORCH_DTYPES[spec.scale_dtype]
 
 

@@ -27,7 +27,7 @@ Entry points::
     # lm-eval's own command line / simple_evaluate(model="kveval", model_args=...)
     lm-eval run --model kveval --model_args model=builtin:smollm2-135m,kv=int4_g64 --tasks ... --device cpu
     # kveval's command line (forwards lm-eval's arguments): lm_eval_command() below
-    kveval lm-eval --kv int4_g64 -- --tasks kveval_facts_mc --include_path tests/lmeval_tasks --limit 20
+    kveval lm-eval --kv int4_g64 -- --tasks kveval_facts_mc --include_path tasks/lm_eval --limit 20
 
 Under a ``none`` policy (``fp16``) the results equal plain ``HFLM`` on the same model to the last digit.
 

@@ -13,17 +13,18 @@ filter of that metric, and stay ``<metric>,<filter>`` otherwise. No number is Na
 stops the run with one line (the bridge's check), a NaN metric likewise, and a standard error lm-eval could not
 compute is recorded as null (:func:`check_finite_metrics`).
 
-``include_path``: a folder of lm-eval task YAMLs (e.g. ``tests/lmeval_tasks``). A relative path is resolved
-against the working directory, like every path in a kveval config (``output:``, ``data:``), and, when no such
-folder exists there, against the kveval source checkout (the folder that holds ``kveval/`` and ``configs/``), so
-the shipped ``configs/lm_eval.yaml`` runs from any directory inside a checkout.
+``include_path``: a folder of lm-eval task YAMLs (e.g. ``tasks/lm_eval``). A relative path is resolved against
+the working directory, like every path in a kveval config (``output:``, ``data:``), and, when no such folder
+exists there, against the kveval source checkout (the folder that holds ``kveval/`` and ``configs/``), and a path
+under ``tasks/`` against kveval's task definitions wherever kveval is installed (:mod:`kveval.task_definitions`),
+so the shipped ``configs/lm_eval.yaml`` runs from any directory.
 
 Code: lm-eval imports Python from an include folder (a task YAML's ``!function utils.f`` loads ``utils.py`` beside
 it). A config is pure data, so an include folder that holds code (a ``.py`` file, a ``!function`` tag or
 ``trust_remote_code`` in a YAML under it or in a YAML it includes) is refused unless the run was started with
 ``--allow-code`` (``cfg.allow_code``; never a config key). Without it, lm-eval's Jinja templates (``doc_to_text``
 ...) also render in Jinja's sandbox, so that a template cannot reach Python internals either. The one folder
-trusted without the flag is kveval's own example, ``tests/lmeval_tasks`` of the kveval checkout
+trusted without the flag is kveval's own example, ``tasks/lm_eval`` of kveval's task definitions
 (:data:`SHIPPED_TASKS`): its code is kveval's code, as trusted as the rest of it (a folder of that name elsewhere,
 e.g. under the working directory, is not).
 """
@@ -35,30 +36,16 @@ import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
-
-from pydantic import Field
 
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
-from kveval.schema import Strict
+from kveval.task_definitions import DEFINITIONS_DIR, LM_EVAL_DIR
 from kveval.tasks._finite import non_finite_numbers
+from kveval.tasks.lm_eval.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
 
-NAME = "lm_eval"
 REPO_ROOT = Path(__file__).resolve().parents[3]  # the checkout: kveval/tasks/lm_eval/task.py -> the folder of kveval/
-SHIPPED_TASKS = (REPO_ROOT / "tests" / "lmeval_tasks").resolve()  # kveval's own example tasks (its own code)
+SHIPPED_TASKS = LM_EVAL_DIR.resolve()  # kveval's own example tasks (its own code)
 _TASK_MANAGERS: dict = {}
-
-
-class Params(Strict):
-    """lm-evaluation-harness tasks (log-likelihood under emulation, generation through the quantized cache)."""
-
-    tasks: list[str] = Field(min_length=1)
-    num_fewshot: int | None = Field(0, ge=0, le=1000)  # None: each task's own default
-    limit: int | None = Field(None, gt=0)
-    include_path: str | None = None
-    batch_size: int = Field(1, gt=0, le=4096)
-    prefill: Literal["none", "context"] = "none"
 
 
 def _record_key(task: str, policy: str) -> str:
@@ -71,6 +58,8 @@ def resolve_include_path(path: str | None) -> str | None:
         return None
     p = Path(path).expanduser()
     candidates = [p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p]
+    if not p.is_absolute() and p.parts[:1] == ("tasks",):  # kveval's task definitions, wherever installed
+        candidates.append(DEFINITIONS_DIR.joinpath(*p.parts[1:]))
     for c in candidates:
         if c.is_dir():
             return str(c.resolve())
@@ -224,7 +213,7 @@ def check_documents(tm, params: Params) -> None:
     naming the task, the document and the field."""
     import lm_eval.utils as lm_utils
     from jinja2 import meta
-    from jinja2.exceptions import SecurityError
+    from jinja2.exceptions import SecurityError, TemplateError
     from lm_eval.tasks import get_task_dict
 
     try:
@@ -251,7 +240,7 @@ def check_documents(tm, params: Params) -> None:
             else:
                 try:
                     names = meta.find_undeclared_variables(lm_utils.env.parse(template))
-                except Exception:
+                except TemplateError:
                     continue  # lm-eval reports a broken template itself
             fields.update({n: attr for n in names})
         docs = task.eval_docs

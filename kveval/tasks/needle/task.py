@@ -26,14 +26,11 @@ written (:mod:`kveval.tasks._finite`): no score is ever NaN.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
-
-from pydantic import Field, model_validator
 
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
-from kveval.schema import Strict
 from kveval.tasks._generation import generate_answers, score_answer
+from kveval.tasks.needle.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
 from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
     SentenceTokens,
@@ -43,35 +40,6 @@ from kveval.tasks.needle.prompts import (
     split_sentences,
     trial_rng,
 )
-
-NAME = "needle"
-
-
-class Params(Strict):
-    """Needle-in-a-haystack / passkey retrieval over context length × depth."""
-
-    variant: Literal["passkey", "needle"] = "passkey"
-    context_lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1024, 2048], min_length=1)
-    depths: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=lambda: [0.0, 0.5, 1.0], min_length=1)
-    trials: int = Field(2, gt=0)
-    max_new_tokens: int = Field(8, gt=0)
-    generate: bool = True
-    batch_size: int = Field(8, gt=0)  # trials of one context length generated per left-padded batch
-    chat_template: bool = True
-    plots: bool = True  # the report draws the heatmaps (kveval.report.task_figures), not the task
-
-    @model_validator(mode="after")
-    def _unique(self):
-        for name in ("context_lengths", "depths"):
-            values = getattr(self, name)
-            if len(set(values)) != len(values):
-                raise ValueError(f"{name} has duplicates")
-        return self
-
-    @property
-    def seq_len(self) -> int:
-        """The longest context (the runner sizes the memory bill from it)."""
-        return max(self.context_lengths)
 
 
 def record_key(variant: str, context: int, depth: float, trial: int, policy: str) -> str:

@@ -297,6 +297,18 @@ def read_plan_file(path: str | Path) -> dict:
     return side
 
 
+def plan_predictions(path: str | Path) -> dict:
+    """What a planned run puts in its metrics (``metrics["plan"]``) for the report's predicted-vs-measured table,
+    from its ``.plan.json`` (:func:`read_plan_file`'s checks): ``{"sidecar", "budget", "scan", "policy": "planned",
+    "predicted": {POLICY: {"kld", "delta_ppl_pct"?}}}``."""
+    side = read_plan_file(path)
+    predicted = {"planned": {"kld": side["predicted_kld_sum"], "delta_ppl_pct": side["predicted_delta_ppl_pct"]}}
+    for name, u in side.get("uniform", {}).items():
+        predicted[name] = {"kld": u["predicted_kld_sum"]}
+    return {"sidecar": str(path), "budget": side.get("budget"), "scan": side.get("scan"), "policy": "planned",
+            "predicted": predicted}
+
+
 def candidate_costs(arch: Arch, specs: list[str], context: int) -> dict[tuple[int, str, str], int]:
     """(layer, tensor, spec) -> bytes billed for that tensor of that layer at ``context`` tokens (FP16 for none)."""
     out = {}

@@ -46,49 +46,14 @@ import math
 from collections.abc import Iterator
 
 import torch
-from pydantic import Field, model_serializer, model_validator
 
 from kveval.data import token_windows
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
 from kveval.results.layout import BASELINE
-from kveval.schema import Strict
 from kveval.stats import bin_sums, bootstrap_ratio_ci, compare_logits
 from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
-
-NAME = "perplexity"
-
-
-class Params(Strict):
-    """Perplexity, KL divergence and top-1 agreement against the full-precision model."""
-
-    seq_len: int = Field(512, gt=1)
-    stride: int | None = Field(None, gt=0)
-    max_tokens: int | None = Field(4096, gt=0)
-    start_token: int = Field(0, ge=0)
-    prefill_tokens: int = Field(0, ge=0)
-    position_bins: int = Field(8, gt=0)
-    bootstrap: int = Field(1000, ge=0)
-    diagnostics: bool = True
-    noise_windows: int = Field(0, ge=0)
-    batch_size: int = Field(1, gt=0)
-
-    @model_serializer(mode="wrap")
-    def _omit_default_batch(self, handler):
-        """``batch_size`` is left out of the dumped form at its default, so that the resolved config of a run
-        folder written before the field existed still matches (its runs resume)."""
-        data = handler(self)
-        if isinstance(data, dict) and data.get("batch_size") == 1:
-            del data["batch_size"]
-        return data
-
-    @model_validator(mode="after")
-    def _stride_fits(self):
-        if self.stride is not None and self.stride > self.seq_len:
-            raise ValueError(f"stride {self.stride} is larger than seq_len {self.seq_len}")
-        if self.prefill_tokens >= self.seq_len:
-            raise ValueError(f"prefill_tokens {self.prefill_tokens} must be smaller than seq_len {self.seq_len}")
-        return self
+from kveval.tasks.perplexity.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
 
 
 def _metric(logits: torch.Tensor) -> torch.Tensor:

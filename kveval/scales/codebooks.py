@@ -31,7 +31,7 @@ K/V element is kept (pre-RoPE keys: through the transposed rotation), as ``run-f
 calibration slice). ``calibrate(..., fisher=False)`` fits plain k-means. Only the 'nuq' specs of the config's
 policies are fitted (``kveval.calibration.calibrate.nuq_requests``).
 
-Tensors of the scales file (``kveval.calibration.scales_file``), per layer: ``kvquant.{kind}[@p].channel.hi`` /
+Tensors of the scales file (``kveval.scales.file``), per layer: ``kvquant.{kind}[@p].channel.hi`` /
 ``.lo`` [layers, H, D] and ``kvquant.{kind}[@p].{channel|token}.nuq{b}`` [layers, 2^b], kind ``key``,
 ``key_pre_rope`` (KVQuant's keys: ``k_proj`` comes before RoPE) or ``value``.
 """

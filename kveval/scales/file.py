@@ -5,9 +5,9 @@ A scales file is a safetensors file with float32 tensors named ``{kind}.{granula
 * kind: ``key`` (post-RoPE, as the cache sees keys), ``key_pre_rope`` (before the rotary embedding; rotary
   models only) and ``value``;
 * granularity: ``tensor`` ``[layers]``, ``head`` ``[layers, kv_heads]``, ``channel`` ``[layers, kv_heads, head_dim]``;
-* stat: ``absmax`` (symmetric specs), ``lo`` and ``hi`` (asymmetric specs); see ``kveval.calibration.ranges``.
+* stat: ``absmax`` (symmetric specs), ``lo`` and ``hi`` (asymmetric specs); see ``kveval.scales.ranges``.
 
-and, for the 'nuq' specs of the config's policies (KVQuant, ``kveval.calibration.codebooks``), float32
+and, for the 'nuq' specs of the config's policies (KVQuant, ``kveval.scales.codebooks``), float32
 ``kvquant.{kind}[@p].channel.hi`` / ``.lo`` ``[layers, kv_heads, head_dim]`` (per-channel bounds) and
 ``kvquant.{kind}[@p].{channel|token}.nuq{b}`` ``[layers, 2^b]`` (ascending k-means codebooks); the header's ``nuq``
 says what was fitted.
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from kveval.calibration.ranges import STATIC_GRANULARITIES, Ranges
 from kveval.errors import KvevalError
 from kveval.fileio import atomic_path
 from kveval.quant import QParams, QuantSpec, qparams_from_range
 from kveval.quant.formats.base import SCALE_TORCH_DTYPES, store
+from kveval.scales.ranges import STATIC_GRANULARITIES, Ranges
 
 FORMAT_VERSION = 1
 KINDS = ("key", "key_pre_rope", "value")
@@ -89,7 +89,7 @@ class ScalesFile:
     def nuq_qparams(self, layer: int, kind: str, spec: QuantSpec) -> QParams:
         """A 'nuq' spec's calibrated parameters for one layer: the codebook (float32 [2^b]), and per channel the
         bounds hi / lo as scale / zero point ``[1, H, 1, D]`` rounded to the spec's scale dtype (KVQuant: fp16)."""
-        from kveval.calibration.codebooks import bounds_names, codebook_name
+        from kveval.scales.codebooks import bounds_names, codebook_name
 
         style = "channel" if spec.granularity == "channel" else "token"
         p = spec.outliers

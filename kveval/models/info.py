@@ -1,0 +1,116 @@
+"""What a model is, read from its config without running it: :func:`model_info` of a loaded model, the context
+it was built for, and :func:`model_config` of a name (the config alone, never the weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kveval.errors import KvevalError
+from kveval.memory.arch import sliding_window_layers
+from kveval.models.builtin import BUILTIN_CONTEXT, tiny_model_config
+from kveval.models.checks import first_line, text_config
+from kveval.models.hub import hub_guard
+from kveval.models.placement import placement_summary
+from kveval.models.source import model_source
+
+CONTEXT_LIMIT_FALLBACK = 2048  # used by model_context_limit when the config names no limit
+
+
+def model_context_limit(model) -> int:
+    """The longest context the model was built for: ``config.max_position_embeddings`` (else ``n_positions``,
+    ``max_sequence_length``, ``seq_length``), falling back to ``CONTEXT_LIMIT_FALLBACK`` (2048)."""
+    cfg = text_config(model.config)
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return CONTEXT_LIMIT_FALLBACK
+
+
+def model_info(model) -> dict:
+    """Facts about a loaded model that the memory and report code use.
+
+    Keys: name, model_type, num_layers, num_attention_heads, num_kv_heads, head_dim (``config.head_dim`` or
+    hidden_size // num_attention_heads), hidden_size, vocab_size, context_limit, sliding_window,
+    sliding_layers (indices of sliding-window layers, [] if none), dtype, device (``cpu``, ``cuda:0``; for a
+    dispatched model the modules per device, ``dispatched: cpu 3, disk 2``), num_parameters.
+    """
+    cfg = text_config(model.config)
+    n_heads = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    n_layers = cfg.num_hidden_layers
+    window, sliding_layers = sliding_window_layers(cfg.to_dict(), n_layers)
+    sliding = list(sliding_layers)
+    param = next(model.parameters())
+    return {
+        "name": getattr(model, "kveval_name", None) or getattr(model, "name_or_path", None) or "",
+        "model_type": cfg.model_type,
+        "num_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_kv_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "context_limit": model_context_limit(model),
+        "sliding_window": window,
+        "sliding_layers": sliding,
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "device": placement_summary(model) or str(param.device),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def context_limit_of(name: str) -> int | None:
+    """The model's context (as :func:`model_context_limit` would give it) when it is known without loading the
+    model: builtins, and local folders whose config.json names ``max_position_embeddings`` (or its text config);
+    None otherwise (hub ids, GGUF files)."""
+    name = str(name)
+    if name.startswith("builtin:"):
+        return BUILTIN_CONTEXT.get(name.split(":", 1)[1])
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    for section in (cfg.get("text_config"), cfg) if isinstance(cfg, dict) else ():
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def model_config(name: str) -> Any:
+    """The transformers config of the model ``name`` names (:func:`kveval.models.source.model_source`), read
+    without its weights: a builtin's (the tiny models' from code, SmolLM2's from its GGUF header), a GGUF file's
+    header, a folder's config.json, a hub id's config (offline when the hub cannot be reached). KvevalError (one
+    line) when it cannot be read."""
+    from transformers import AutoConfig
+
+    source = model_source(name)
+    if source.kind == "builtin" and source.key != "smollm2-135m":
+        return tiny_model_config(name)
+    try:
+        if source.kind == "builtin":
+            from kveval.models.builtin import smollm2_gguf
+
+            path = smollm2_gguf()
+            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        if source.kind == "gguf" and source.path is not None:
+            return AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+        if source.kind == "folder":
+            return AutoConfig.from_pretrained(str(source.path))
+        with hub_guard() as offline:
+            try:
+                return AutoConfig.from_pretrained(name)
+            except (OSError, ValueError) as exc:
+                if offline:
+                    raise KvevalError(f"the config of {name!r} is not in the local HuggingFace cache and the hub "
+                                      "cannot be reached; use --shape or --layers --kv-heads --head-dim") from None
+                raise KvevalError(f"the config of {name!r} could not be read: {first_line(exc)}") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise KvevalError(f"the config of {name!r} could not be read: {first_line(exc)}") from None

@@ -1,0 +1,112 @@
+"""The closing console tables of ``kveval run``: one row per policy against the threshold, and the weights x KV
+interaction table (rich Tables, from a run's metrics).
+
+    console.print(summary_table(metrics, cfg))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from kveval.results import BASELINE
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+
+def part_for_summary(metrics: dict, part: dict) -> dict:
+    """A later task entry's metrics (``metrics["tasks"][label]``) in the shape :func:`summary_table` reads, with
+    the run's memory fields (bits per element) beside them."""
+    def with_memory(entry: dict, top: dict) -> dict:
+        return {**{k: v for k, v in top.items() if k == "bits_per_element"}, **entry}
+
+    top_policies = metrics.get("policies") or {}
+    return {"model": metrics.get("model"), BASELINE: with_memory(part.get(BASELINE) or {}, metrics.get(BASELINE) or {}),
+            "policies": {n: with_memory(m or {}, top_policies.get(n) or {})
+                         for n, m in (part.get("policies") or {}).items()}}
+
+
+
+def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> Table:
+    """The closing console table: one row per policy against the threshold; perplexity columns when the run
+    measured perplexity, needle columns when it ran the needle task. ``label``: the task entry the metrics are of,
+    in the title (a later entry of a kind already in the config, ``tasks[1] (perplexity)``)."""
+    thr = cfg.threshold
+    title = f"{cfg.name}{' ' + label if label else ''}: {metrics['model']}, threshold ΔPPL <= {thr.delta_ppl_pct}%" + (
+        f", KLD <= {thr.kld}" if thr.kld is not None else ""
+    )
+    base = metrics.get(BASELINE, {})
+    rows = [(BASELINE, base), *metrics.get("policies", {}).items()]
+    has = {key: any(m.get(key) is not None for _, m in rows) for key in ("ppl", "needle_accuracy")}
+    cols = [("bits/elem", lambda m: _fmt(m.get("bits_per_element"), ".2f"))]
+    if has["ppl"] or not has["needle_accuracy"]:
+        cols += [
+            ("PPL", lambda m: _fmt(m.get("ppl"), ".4f")),
+            ("ΔPPL %", lambda m: _fmt(m.get("delta_ppl_pct"), "+.3f")),
+            ("KLD", lambda m: _fmt(m.get("kld_mean"), ".3g")),
+            ("KLD CI95", lambda m: "-" if not m.get("kld_ci95") else f"[{m['kld_ci95'][0]:.3g}, {m['kld_ci95'][1]:.3g}]"),
+            ("top-1", lambda m: _fmt(m.get("top1_agree"), ".4f")),
+        ]
+    if has["needle_accuracy"]:
+        cols += [
+            ("needle EM", lambda m: _fmt(m.get("needle_accuracy"), ".3f")),
+            ("answer logp/tok", lambda m: _fmt(m.get("needle_answer_logprob"), ".3f")),
+        ]
+    table = Table(title=title, title_justify="left")
+    table.add_column("policy", justify="left", no_wrap=True)
+    for name, _ in cols:
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("verdict", justify="left", no_wrap=True)
+    for name, m in rows:
+        verdict = "" if name == BASELINE else m.get("verdict", "-")
+        style = {"pass": "green", "fail": "red"}.get(verdict, "yellow")
+        cells = [fn(m) for _, fn in cols]
+        if name == BASELINE and has["ppl"]:
+            cells[1:6] = [cells[1], "", "", "", ""]
+        table.add_row(name, *cells, f"[{style}]{verdict}[/]" if verdict else "")
+    return table
+
+
+
+def _yes_no(flag, interaction: str | None) -> str:
+    """``yes`` / ``no`` for "worse than the sum", with ``*`` when the bootstrap interval of the excess excludes 0."""
+    if flag is None:
+        return "-"
+    sure = interaction in ("superadditive", "subadditive")
+    return ("yes" if flag else "no") + ("*" if sure else "")
+
+
+
+def weights_interaction_table(metrics: dict, cfg: Any) -> Table:
+    """The weights x KV interaction table: per weight variant, its effect alone (KV ``fp16``) and, per policy, the
+    weight effect alone (W), the KV effect on the checkpoint's weights (KV), the combined effect (both), their
+    sum and whether the combination is worse than the sum (``*``: the 95% interval of the excess excludes 0);
+    every effect against the FP model (checkpoint weights, full-precision cache)."""
+    from rich import box
+
+    table = Table(title=f"{cfg.name}: weights x KV cache against the FP model; worse: both > W + KV (*: the 95% "
+                        "interval of the excess excludes 0)", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    cols = ["weights", "KV", "ΔPPL% W", "ΔPPL% KV", "ΔPPL% both", "W + KV", "worse",
+            "KLD W", "KLD KV", "KLD both", "W + KV", "worse"]
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("weights", "KV") else "right", no_wrap=True)
+    for vname, v in metrics["weights"]["variants"].items():
+        alone = v.get("alone") or {}
+        table.add_row(vname, "fp16", _fmt(alone.get("delta_ppl_pct"), "+.3f"), "", "", "", "",
+                      _fmt(alone.get("kld_mean"), ".3g"), "", "", "", "")
+        for pname, m in (v.get("policies") or {}).items():
+            table.add_row(
+                vname, pname,
+                _fmt(m.get("weights_delta_ppl_pct"), "+.3f"), _fmt(m.get("kv_delta_ppl_pct"), "+.3f"),
+                _fmt(m.get("delta_ppl_pct"), "+.3f"), _fmt(m.get("delta_ppl_pct_sum"), "+.3f"),
+                _yes_no(m.get("delta_ppl_worse_than_sum"), m.get("delta_ppl_interaction")),
+                _fmt(m.get("weights_kld_mean"), ".3g"), _fmt(m.get("kv_kld_mean"), ".3g"),
+                _fmt(m.get("kld_mean"), ".3g"), _fmt(m.get("kld_sum"), ".3g"),
+                _yes_no(m.get("kld_worse_than_sum"), m.get("kld_interaction")),
+            )
+    return table

@@ -1,0 +1,22 @@
+"""The lm_eval task's parameters (light: a config imports this, not the evaluator)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kveval.schema import Strict
+
+NAME = "lm_eval"
+
+
+class Params(Strict):
+    """lm-evaluation-harness tasks (log-likelihood under emulation, generation through the quantized cache)."""
+
+    tasks: list[str] = Field(min_length=1)
+    num_fewshot: int | None = Field(0, ge=0, le=1000)  # None: each task's own default
+    limit: int | None = Field(None, gt=0)
+    include_path: str | None = None
+    batch_size: int = Field(1, gt=0, le=4096)
+    prefill: Literal["none", "context"] = "none"
