@@ -32,7 +32,7 @@ EXIT_INTERRUPTED = 130
 #: what the libraries read at import to stay quiet: no progress bars (huggingface_hub, transformers' weight
 #: loading, datasets, tqdm) and errors only from transformers' and datasets' loggers
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
-             "TRANSFORMERS_VERBOSITY": "error", "DATASETS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+             "TRANSFORMERS_VERBOSITY": "critical", "DATASETS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
 #: loggers of libraries whose warnings are noise beside kveval's own lines
 QUIET_LOGGERS = ("lm_eval", "transformers", "datasets", "accelerate", "huggingface_hub", "ray")
 
@@ -40,8 +40,9 @@ QUIET_LOGGERS = ("lm_eval", "transformers", "datasets", "accelerate", "huggingfa
 def quiet_libraries_unless_terminal(stream=None) -> bool:
     """When stderr is not a terminal (a log file, CI, another program reading it), keep the libraries' progress
     bars and warnings off it, so that a failing command's stderr is its one error line: the environment the
-    libraries read at import (:data:`QUIET_ENV`, unless the user set a variable), their loggers at ERROR and their
-    Python warnings ignored. Called before any of them is imported; returns whether it acted."""
+    libraries read at import (:data:`QUIET_ENV`, unless the user set a variable), their loggers at ERROR (transformers'
+    at CRITICAL: its errors come before the exception kveval turns into the one line, e.g. a config class refusing a
+    value) and their Python warnings ignored. Called before any of them is imported; returns whether it acted."""
     import logging
     import os
     import warnings
@@ -52,7 +53,7 @@ def quiet_libraries_unless_terminal(stream=None) -> bool:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.CRITICAL if name == "transformers" else logging.ERROR)
     warnings.filterwarnings("ignore", module=r"(transformers|torch|lm_eval|datasets|accelerate|huggingface_hub)")
     # libraries imported already (a library caller, the tests) read the environment before: tell them directly
     if "huggingface_hub" in sys.modules:
@@ -60,7 +61,7 @@ def quiet_libraries_unless_terminal(stream=None) -> bool:
     if "transformers" in sys.modules:
         tlog = sys.modules["transformers"].utils.logging
         tlog.disable_progress_bar()
-        tlog.set_verbosity_error()
+        tlog.set_verbosity(tlog.CRITICAL)
     if "datasets" in sys.modules:
         sys.modules["datasets"].utils.logging.disable_progress_bar()
         sys.modules["datasets"].utils.logging.set_verbosity_error()
@@ -160,13 +161,19 @@ def calibrate(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Scales file to write (.safetensors).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
     allow_code: AllowCodeOpt = False,
+    export: Annotated[tuple[str, Path] | None, typer.Option(
+        help="Also write a checkpoint folder with the scales: --export compressed-tensors DIR (the model's weights "
+             "unchanged, config.json kv_cache_scheme, k_scale/v_scale: what vLLM loads).")] = None,
+    strategy: Annotated[str, typer.Option(
+        help="--export: one FP8 scale per layer and K/V (tensor) or per KV head (attn_head).")] = "tensor",
 ):
     """Static K/V scales from a calibration slice (the corpus tail): a scales file that policies use as scales: FILE."""
     from kveval.commands.calibrate import calibrate_command
     from kveval.config import code_allowed
 
     with code_allowed(allow_code):
-        calibrate_command(str(config), overrides, out=None if out is None else str(out), quiet=quiet)
+        calibrate_command(str(config), overrides, out=None if out is None else str(out), quiet=quiet,
+                          export=None if export is None else (export[0], str(export[1])), strategy=strategy)
 
 
 @app.command()
@@ -195,11 +202,29 @@ def plan(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Config to write (default configs/generated/...).")] = None,
     context: Annotated[int | None, typer.Option(help="Context for the memory bill (default: the scan's seq_len).")] = None,
     allow_fp: Annotated[bool, typer.Option(help="Allow full precision (none) as a per-layer choice.")] = False,
+    engine: Annotated[str | None, typer.Option(
+        help="Plan only what this engine can run: vllm, llamacpp, sglang, trtllm, transformers.")] = None,
 ):
     """Mixed precision under a memory budget, from a scan: writes a ready-to-run config."""
     from kveval.commands.plan import plan_command
 
-    plan_command(str(scan_dir), budget, str(out) if out else None, context=context, allow_fp=allow_fp)
+    plan_command(str(scan_dir), budget, str(out) if out else None, context=context, allow_fp=allow_fp,
+                 engine=engine)
+
+
+@app.command()
+@user_errors
+def deploy(
+    target: Annotated[Path, typer.Argument(help="A .plan.json (kveval plan) or a config (its kv: policies).")],
+    run: Annotated[Path | None, typer.Option(help="A run folder whose metrics give measured costs.")] = None,
+    engine: Annotated[list[str] | None, typer.Option(
+        help="Only this engine (repeatable): vllm, llamacpp, sglang, trtllm, transformers.")] = None,
+    model: Annotated[str | None, typer.Option(help="The model name to put in the commands.")] = None,
+):
+    """Each policy in each engine's own syntax, or the nearest policies an engine can run with their cost."""
+    from kveval.commands.deploy import deploy_command
+
+    print(deploy_command(str(target), str(run) if run else None, engine, model), end="")
 
 
 @app.command(
@@ -231,12 +256,16 @@ def parity(
     layers: Annotated[int | None, typer.Option(help="Keep only the first N decoder layers, in both systems (llamacpp).")] = None,
     rotation: Annotated[str | None, typer.Option(help="llamacpp: on, off or both (the Hadamard rotation of current llama.cpp).")] = None,
     noise_floor: Annotated[bool, typer.Option("--noise-floor", help="llamacpp: also measure kveval against itself with 1e-6 input noise.")] = False,
+    tool: Annotated[str | None, typer.Option(help="llamacpp: 'perplexity' runs llama.cpp's llama-perplexity --kl-divergence on the same chunks, every statistic side by side.")] = None,
+    ctx: Annotated[int | None, typer.Option(help="llamacpp --tool perplexity: tokens per chunk (-c; default 512).")] = None,
+    kl_divergence_base: Annotated[Path | None, typer.Option("--kl-divergence-base", help="llamacpp --tool perplexity: a base file llama-perplexity wrote (--kl-divergence-base); its chunks and logits are the reference.")] = None,
 ):
     """kveval's preset against the real system on the same tokens, per cache type: ΔPPL, KLD, KLD between them."""
     from kveval.commands.parity import parity_command, parity_options
 
     type_list = [t.strip() for t in types.split(",") if t.strip()] if types else None
-    options = parity_options(layers=layers, rotation=rotation, noise_floor=noise_floor)
+    options = parity_options(layers=layers, rotation=rotation, noise_floor=noise_floor, tool=tool, ctx=ctx,
+                             kl_divergence_base=str(kl_divergence_base) if kl_divergence_base else None)
     parity_command(system, model=model, types=type_list, tokens=tokens, out=str(out) if out else None,
                    options=options)
 

@@ -197,14 +197,17 @@ class MemoryConfig(Strict):
 class CalibrationConfig(Strict):
     """How ``kveval calibrate`` (and ``scales: auto`` policies) compute static scales: on the last ``tokens`` tokens
     of the config's corpus in windows of ``seq_len``, by ``method`` (absmax | percentile | mse; ``target``: the
-    preset mse optimises for). ``outliers``: fractions p for which ranges of the dense part (each vector without
+    preset mse optimises for; ``minmax_ema``: llm-compressor's moving average of each window's min and max,
+    weight ``averaging_constant``). ``outliers``: fractions p for which ranges of the dense part (each vector without
     its ceil(p * head_dim) largest magnitudes) are added, for specs with ``outliers: p``. Runs refuse scales whose tokens overlap the perplexity tokens unless
     ``allow_overlap``. ``output``: where ``kveval calibrate`` writes (default ``results/scales/<name>.safetensors``)."""
 
     tokens: int = Field(2048, gt=1)
     seq_len: int = Field(512, gt=1)
-    method: Literal["absmax", "percentile", "mse"] = "absmax"
+    method: Literal["absmax", "percentile", "mse", "minmax_ema"] = "absmax"
     percentile: float = Field(99.9, ge=50, le=100)
+    #: method minmax_ema (llm-compressor's default KV observer, kveval.scales.ema): the weight of each new window
+    averaging_constant: float = Field(0.01, gt=0, le=1)
     target: str | None = None
     outliers: list[float] = []
     allow_overlap: bool = False
@@ -352,6 +355,8 @@ class ExperimentConfig(Strict):
         data = self.model_dump(mode="json")
         if self.calibration == CalibrationConfig():
             del data["calibration"]  # default: left out, so that runs from before the section existed still resume
+        elif self.calibration.averaging_constant == CalibrationConfig().averaging_constant:
+            del data["calibration"]["averaging_constant"]  # likewise for runs from before minmax_ema
         if self.plan is None:
             del data["plan"]
         if self.model.weights:  # every variant in its full form ({spec: {QuantSpec fields}, modules: [...]})
@@ -637,8 +642,11 @@ def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
                 from kveval.tasks.lm_eval.task import check_include_path
 
                 check_include_path(entry.params.include_path, allow_code=cfg.allow_code)
+        from kveval.scales.checkpoint import CHECKPOINT_SCALES, checkpoint_targets
+
+        checkpoint_targets(cfg.model.name, cfg.kv.policies, cfg.policies())  # checkpoint KV scales, as engines load
         for name, policy in cfg.policies().items():
-            if policy.needs_scales_file() and policy.scales != AUTO_SCALES:
+            if policy.needs_scales_file() and policy.scales not in (AUTO_SCALES, CHECKPOINT_SCALES):
                 from kveval.scales.file import load_scales
 
                 try:
@@ -681,7 +689,9 @@ def _model_dims(name: str) -> dict | None:
 
     if name == "builtin:smollm2-135m":
         return _SMOLLM2_DIMS
-    if name in ("builtin:tiny-llama", "builtin:tiny-gemma3"):
+    from kveval.models.builtin import TINY_FAMILIES
+
+    if name.removeprefix("builtin:") in TINY_FAMILIES and name.startswith("builtin:"):
         from kveval.models import tiny_model_config
 
         return tiny_model_config(name).to_dict()

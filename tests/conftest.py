@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from kveval.models import load_model
+# transformers' torch fallbacks of the linear-attention and Mamba kernels (Qwen3-Next, Falcon-H1, Granite-4) are
+# wrapped in torch.compile, which on the CPU spends seconds compiling every new sequence length; the tests compare
+# two kveval paths on the same model, so they run those fallbacks eagerly
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import pytest  # noqa: E402
+
+from kveval.models import load_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

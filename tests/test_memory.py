@@ -200,7 +200,7 @@ def test_paging_by_hand():
 
 
 ROW_KEYS = ["policy", "total", "codes", "scales", "residual", "bytes_per_token", "saving_vs_fp16", "max_batch",
-            "blocks"]
+            "blocks", "state"]
 
 
 def test_json_schema():

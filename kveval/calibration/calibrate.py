@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 from kveval.errors import KvevalError
+from kveval.models.checks import text_config
 from kveval.quant import preset
-from kveval.scales.ranges import STATIC_GRANULARITIES, calibrate_ranges
+from kveval.scales.ranges import STATIC_GRANULARITIES, Ranges, calibrate_ranges
 
 
 def calibration_slice(n_tokens: int, tokens: int) -> tuple[int, int]:
@@ -89,13 +90,17 @@ def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=(),
     from kveval.calibration.collect import collect_kv
     from kveval.quant import split_outliers
     from kveval.scales.codebooks import bounds_names, codebook_name, fit_layer
+    from kveval.scales.ema import ema_ranges
 
     windows = [tokens[i:i + cal.seq_len] for i in range(0, len(tokens), cal.seq_len)]
     windows = [w for w in windows if len(w) >= 2]
     target = preset(cal.target) if cal.target else None
     task = progress.task("calibrate: forward", total=len(windows), unit="tok") if progress else nullcontext(None)
     grads = bool(nuq) and fisher
-    with collect_kv(model, fisher=grads) as collected, task as advance:
+    # minmax_ema is llm-compressor's observer, and llm-compressor calibrates with eager attention
+    # (calibration_forward_context): the same kernels give it the same keys and values to the bit
+    attention = _eager_attention(model) if cal.method == "minmax_ema" else nullcontext()
+    with attention, collect_kv(model, fisher=grads) as collected, task as advance:
         for w in windows:
             ids = w[None].to(model.device)
             if grads:
@@ -110,16 +115,24 @@ def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=(),
         n_layers = len(collected.layers)
         out: dict = {}
         fitted_nuq: dict[str, list[torch.Tensor]] = {}
+        ema = cal.method == "minmax_ema"  # per window, in order (llm-compressor's observer: kveval.scales.ema)
+        kv_dtype = next(model.parameters()).dtype
         for layer in range(n_layers):
             weights = collected.fisher(layer) if grads else {}
+            per_window = collected.layers[layer].parts
             for kind, x in collected.samples(layer).items():
-                variants = [(kind, x)]
+                variants = [(kind, x, per_window[kind] if ema else [])]
                 for p in outliers:
                     k = math.ceil(p * x.shape[-1] - 1e-9)
-                    variants.append((dense_kind(kind, p), split_outliers(x, k)[0]))
-                for name, samples in variants:
+                    variants.append((dense_kind(kind, p), split_outliers(x, k)[0],
+                                     [split_outliers(w, k)[0] for w in per_window[kind]] if ema else []))
+                for name, samples, windows_of in variants:
                     for gran in STATIC_GRANULARITIES:
-                        r = calibrate_ranges(samples, gran, cal.method, percentile=cal.percentile, target=target)
+                        if ema:
+                            r = ema_ranges(windows_of, gran, cal.averaging_constant, dtype=kv_dtype)
+                        else:
+                            r = calibrate_ranges(samples, gran, cal.method, percentile=cal.percentile,
+                                                 target=target)
                         out.setdefault((name, gran), []).append(r)
                 for (nuq_kind, style, p), bits in (nuq or {}).items():
                     if kind != nuq_kind:
@@ -130,9 +143,41 @@ def collect_ranges(model, tokens: torch.Tensor, cal, progress=None, outliers=(),
                             fitted_nuq.setdefault(tname, []).append(fitted[stat])
                     for b in bits:
                         fitted_nuq.setdefault(codebook_name(kind, p, style, b), []).append(fitted[f"nuq{b}"])
+    # one entry per model layer, by layer index: a hybrid's linear-attention / Mamba layers hold no K/V (and have
+    # no attention module): zeros there, which no quantizer reads
+    at = [c.layer_idx for c in collected.layers]
+    layers = int(getattr(text_config(model.config), "num_hidden_layers", n_layers) or n_layers)
     if nuq_out is not None:
-        nuq_out.update({name: per for name, per in fitted_nuq.items() if len(per) == n_layers})
-    return {key: ranges for key, ranges in out.items() if len(ranges) == n_layers}
+        nuq_out.update({name: _by_layer(per, at, layers) for name, per in fitted_nuq.items() if len(per) == n_layers})
+    return {key: _by_layer(ranges, at, layers) for key, ranges in out.items() if len(ranges) == n_layers}
+
+
+def _by_layer(per: list, at: list[int], layers: int) -> list:
+    """``per[j]`` (the entry of the attention module at model layer ``at[j]``) spread over ``layers`` model layers,
+    zeros (of the first entry's shapes) at the layers without K/V."""
+    if at == list(range(layers)):
+        return per
+    first = per[0]
+    zero = (Ranges(*(torch.zeros_like(t) for t in (first.absmax, first.lo, first.hi))) if isinstance(first, Ranges)
+            else torch.zeros_like(first))
+    full = [zero] * layers
+    for j, i in enumerate(at):
+        full[i] = per[j]
+    return full
+
+
+@contextmanager
+def _eager_attention(model):
+    """The model with transformers' eager attention inside the block (restored after), when it can switch."""
+    before = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    switch = hasattr(model, "set_attn_implementation") and before not in (None, "eager")
+    if switch:
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_attn_implementation(before)
 
 
 def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Path, progress=None,
@@ -158,6 +203,7 @@ def calibrate(model, tokenizer, corpus_tokens: torch.Tensor, cfg, path: str | Pa
         "head_dim": info["head_dim"], "corpus": cfg.data.source, "tokenizer": tokenizer_fingerprint(tokenizer),
         "token_start": start, "token_end": end, "tokens": end - start, "seq_len": cal.seq_len,
         "method": cal.method, "percentile": cal.percentile if cal.method == "percentile" else None,
+        **({"averaging_constant": cal.averaging_constant} if cal.method == "minmax_ema" else {}),
         "target": preset(cal.target).to_dict() if cal.method == "mse" else None, "outliers": fractions,
         "nuq": {"fits": [{"kind": kind, "style": style, "outliers": p, "bits": bits}
                          for (kind, style, p), bits in nuq.items()],

@@ -58,10 +58,14 @@ def check_scales(ctx: TaskContext) -> dict:
     from kveval.patch.quantizers import layer_quantizers, policy_scales
     from kveval.policy import AUTO_SCALES
 
+    sources = resolve_checkpoint_scales(ctx)
     users = {n: p for n, p in ctx.policies.items() if p.needs_scales_file()}
+    local = Path(str(ctx.cfg.model.name)).expanduser().is_dir()  # a folder may gain scales before a resume
+    used = {n: NO_CHECKPOINT_SCALES for n, s in sources.items() if s.get("kind") == "preset" and local}
+    ctx.cache[SOURCES_KEY] = {**sources, **{n: _own_source(ctx, p) for n, p in ctx.policies.items()
+                                            if n not in sources and _own_source(ctx, p)}}
     if not users:
-        return {}
-    used = {}
+        return used
     n_tokens = len(ctx.tokens())
     fp = tokenizer_fingerprint(ctx.tokenizer)
     for name, policy in users.items():
@@ -80,6 +84,15 @@ def check_scales(ctx: TaskContext) -> dict:
                             f"policy '{name}': calibration.method mse searches ranges for {cal.target}, the policy "
                             f"uses {spec.describe()}; set calibration.target to match, or use absmax/percentile"
                         )
+        elif name in sources and sources[name].get("kind") == "checkpoint":
+            used[name] = sources[name]["digest"]  # read and checked by resolve_checkpoint_scales
+            layers = ctx.info["num_layers"]
+            try:
+                sf = policy_scales(policy, ctx.model)
+                for i in range(layers):
+                    layer_quantizers(policy, i, layers, sf)
+            except (KvevalError, ValueError, IndexError) as exc:
+                raise KvevalError(f"policy '{name}': {exc}") from None
         else:
             try:
                 sf = policy_scales(policy, ctx.model)
@@ -89,8 +102,69 @@ def check_scales(ctx: TaskContext) -> dict:
             except (KvevalError, ValueError, IndexError, OSError) as exc:
                 raise KvevalError(f"policy '{name}': {exc}") from None
             check_overlap(sf.header, ctx.cfg, n_tokens, fp, f"policy '{name}': scales file {policy.scales}")
-            used[name] = hashlib.sha256(Path(policy.scales).read_bytes()).hexdigest()
+            if hasattr(sf, "digest"):  # a model folder named as scales: DIR
+                used[name] = sf.digest()
+                ctx.cache[SOURCES_KEY][name] = sf.source()
+            else:
+                used[name] = hashlib.sha256(Path(policy.scales).read_bytes()).hexdigest()
     return used
+
+
+#: ``ctx.cache`` key of where each policy's scales came from (env.json's ``scales``: :func:`scales_sources`)
+SOURCES_KEY = "scales_sources"
+#: the ``scales_used.json`` entry of a policy whose engine would read checkpoint scales that the model lacks (so
+#: that a resumed run on a folder that gained scales since is refused)
+NO_CHECKPOINT_SCALES = "no-checkpoint-scales"
+
+
+def _own_source(ctx: TaskContext, policy) -> dict | None:
+    """Where a policy's scales come from when no checkpoint supplies them (None: dynamic scales only)."""
+    from kveval.policy import AUTO_SCALES
+
+    static = [s for s in policy.all_specs() if not s.is_none and (policy.uses_static(s) or s.static_scale)]
+    if not static:
+        return None
+    if policy.scales == AUTO_SCALES:
+        cal = ctx.cfg.calibration
+        return {"kind": "auto", "describe": f"calibrated by kveval on the last {cal.tokens} corpus tokens "
+                                            f"(method {cal.method}; <run>/scales.safetensors)"}
+    if policy.scales:
+        return {"kind": "file", "path": str(policy.scales), "describe": f"the scales file {policy.scales}"}
+    values = sorted({f"{s.static_scale:g}" for s in static if s.static_scale is not None})
+    return {"kind": "static", "describe": f"its spec's static scale {', '.join(values)}"}
+
+
+def resolve_checkpoint_scales(ctx: TaskContext) -> dict:
+    """Give every policy whose engine loads checkpoint KV scales (``vllm_fp8``, ``trtllm_int8``, ...: the presets
+    of :data:`kveval.scales.checkpoint.PRESET_ENGINES`, unless the policy sets its own ``scales:``; any policy with
+    ``scales: checkpoint``) the scales of the run's model folder, as that engine loads them; returns ``{policy:
+    source record}`` for those policies (env.json's ``scales``). A bad scale is one KvevalError line naming the
+    layer; so is a model whose loading applied the checkpoint's KV scheme to the model itself (compressed-tensors
+    hooks would quantize the full-precision baseline)."""
+    from dataclasses import replace
+
+    from kveval.scales.checkpoint import checkpoint_targets
+
+    kv = getattr(ctx.cfg, "kv", None)
+    raw = getattr(kv, "policies", None) or {}
+    targets = checkpoint_targets(ctx.cfg.model.name, raw, ctx.policies)
+    if any(target for target, _ in targets.values()):
+        hooked = next((n for n, m in ctx.model.named_modules() if hasattr(m, "quantization_scheme")), None)
+        if hooked is not None:
+            raise KvevalError(f"model {ctx.cfg.model.name}: loading it applied its quantization_config to module "
+                              f"'{hooked}' (compressed-tensors hooks), so the full-precision baseline would be "
+                              "quantized too; load it with a transformers whose compressed-tensors hooks find no "
+                              "attention (5.24) or remove quantization_config from a copy of config.json")
+    for name, (target, _) in targets.items():
+        if target is not None:
+            ctx.policies[name] = replace(ctx.policies[name], scales=target)
+    return {name: source for name, (_, source) in targets.items()}
+
+
+def scales_sources(ctx: TaskContext) -> dict:
+    """``{policy: {"kind": checkpoint | file | auto | static | preset, "describe", ...}}``: where each policy's
+    static scales came from (env.json's ``scales``; the report shows ``describe``)."""
+    return dict(ctx.cache.get(SOURCES_KEY) or {})
 
 
 

@@ -1,4 +1,6 @@
-"""``kveval calibrate CONFIG [--out FILE]``: static K/V scales from the corpus tail, written as a scales file."""
+"""``kveval calibrate CONFIG [--out FILE] [--export compressed-tensors DIR [--strategy tensor|attn_head]]``: static
+K/V scales from the corpus tail, written as a scales file; with ``--export`` also as a checkpoint folder that vLLM
+loads (:mod:`kveval.calibration.export`)."""
 
 from __future__ import annotations
 
@@ -10,19 +12,42 @@ from kveval.errors import KvevalError
 
 
 def calibrate_command(config_path: str, overrides: list[str] | None = None, out: str | None = None,
-                      quiet: bool = False) -> Path:
+                      quiet: bool = False, export: tuple[str, str] | None = None, strategy: str = "tensor") -> Path:
     """``kveval calibrate``: load the config's model and corpus, calibrate, write the scales file; returns its path.
 
     ``out`` (``~`` expanded; default ``calibration.output`` or ``results/scales/<name>.safetensors``) is replaced
     atomically. When it lies in a kveval run folder, that folder's lock is held meanwhile (refused, one line, while
-    a run writes there) and it must not take the name of one of the run's other files.
+    a run writes there) and it must not take the name of one of the run's other files. ``export``: (format, folder),
+    the checkpoint folder to write from the scales (``compressed-tensors``: FP8 E4M3 KV scales per tensor, or per
+    KV head with ``strategy`` ``attn_head``); checked before anything is computed.
     """
     from kveval.config import load_config
 
     cfg = load_config(config_path, overrides)
     path = Path(os.path.expanduser(str(out))) if out else default_output(cfg)
+    target = check_export_target(export[0], export[1], strategy) if export else None
     with _lock_if_run_folder(path, config_path):
-        return _calibrate(cfg, path, quiet=quiet)
+        written = _calibrate(cfg, path, quiet=quiet, export=target, strategy=strategy)
+    return written
+
+
+def check_export_target(fmt: str, folder: str | Path, strategy: str) -> Path:
+    """The ``--export`` folder, checked before any slow work: a known format and strategy, a folder that does not
+    exist or is empty, writable."""
+    from kveval.calibration.export import FORMATS
+    from kveval.config import check_writable_path
+    from kveval.scales.checkpoint import STRATEGIES
+
+    if fmt not in FORMATS:
+        raise KvevalError(f"--export {fmt}: the formats kveval writes are {', '.join(FORMATS)}")
+    if strategy not in STRATEGIES:
+        raise KvevalError(f"--strategy {strategy}: expected one of {', '.join(STRATEGIES)}")
+    path = Path(os.path.expanduser(str(folder)))
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        what = "is not a folder" if not path.is_dir() else "is a folder that is not empty"
+        raise KvevalError(f"--export {fmt} {path}: it {what}; give a new or empty folder")
+    check_writable_path(path, "--export", folder=True)
+    return path
 
 
 def _lock_if_run_folder(path: Path, config_path: str):
@@ -43,8 +68,8 @@ def _lock_if_run_folder(path: Path, config_path: str):
     return lock_folder(path.parent, command=f"kveval calibrate {config_path}", hint="give another file with --out")
 
 
-def _calibrate(cfg, path: Path, *, quiet: bool) -> Path:
-    """Load the model and corpus, calibrate, write ``path``."""
+def _calibrate(cfg, path: Path, *, quiet: bool, export: Path | None = None, strategy: str = "tensor") -> Path:
+    """Load the model and corpus, calibrate, write ``path`` (and the ``export`` checkpoint folder)."""
     import sys
 
     from rich.console import Console
@@ -67,4 +92,12 @@ def _calibrate(cfg, path: Path, *, quiet: bool) -> Path:
     except OSError as exc:
         raise KvevalError(f"cannot write the scales file {path}: {exc}") from None
     console.print(f"scales: {written}")
+    if export is not None:
+        from kveval.calibration.export import export_compressed_tensors
+
+        try:
+            done = export_compressed_tensors(model, tokenizer, written, export, strategy)
+        except OSError as exc:
+            raise KvevalError(f"cannot write the checkpoint folder {export}: {exc}") from None
+        console.print(f"checkpoint: {done.summary()}")
     return written

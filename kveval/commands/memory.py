@@ -12,7 +12,7 @@ from dataclasses import replace
 from kveval.errors import KvevalError
 from kveval.memory.arch import Arch
 from kveval.memory.bill import DEFAULT_BLOCK_SIZE, fp16_bytes
-from kveval.memory.rows import memory_json
+from kveval.memory.rows import DEFAULT_POLICIES, memory_json
 from kveval.units import format_bytes, parse_size
 
 
@@ -39,6 +39,30 @@ def resolve_arch(model: str | None = None, shape: str | None = None, layers: int
     from kveval.models import model_config
 
     return Arch.from_model_config(model_config(name), name=name)
+
+
+def _fitting(arch: Arch, names) -> tuple[list[str], list[str]]:
+    """(the policies of ``names`` that can be laid out on ``arch``, those that cannot)."""
+    from kveval.memory.bill import as_policy
+    from kveval.memory.fit import check_policy
+
+    fit, left = [], []
+    for name in names:
+        try:
+            check_policy(arch, as_policy(name))
+            fit.append(name)
+        except KvevalError:
+            left.append(name)
+    return fit, left
+
+
+def shape_words(arch: Arch) -> str:
+    """``32 layers x 8 KV heads x head_dim 128``, or for MLA ``61 layers, MLA latent 512 + RoPE 64``."""
+    n_kv = len(arch.kv_layers)
+    layers = f"{arch.layers} layers" if n_kv == arch.layers else f"{arch.layers} layers ({n_kv} with K/V)"
+    if arch.mla is not None:
+        return f"{layers}, MLA latent {arch.mla.kv_lora_rank} + RoPE {arch.mla.qk_rope_head_dim} per token"
+    return f"{layers} x {arch.kv_heads} KV heads x head_dim {arch.head_dim}"
 
 
 def render_table(rows: list[dict], title: str | None = None):
@@ -68,16 +92,28 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
                    block_size: int = DEFAULT_BLOCK_SIZE, json_output: bool = False) -> str:
     """What ``kveval memory`` prints: the JSON document (``json_output``) or the rendered table with a heading."""
     arch = resolve_arch(model=model, shape=shape, layers=layers, kv_heads=kv_heads, head_dim=head_dim)
+    skipped: list[str] = []
+    if kv is None:  # the default policies: those that cannot be laid out on this model are left out, and said so
+        kv, skipped = _fitting(arch, DEFAULT_POLICIES)
     doc = memory_json(arch, kv, context, batch, gpu_memory, block_size)
     if json_output:
         return json.dumps(doc, indent=2)
     from rich.console import Console
 
-    heading = (f"{arch.name}: {arch.layers} layers x {arch.kv_heads} KV heads x head_dim {arch.head_dim}; "
-               f"context {context:,}, batch {batch}, FP16 cache {format_bytes(fp16_bytes(arch, context, batch))}")
-    if arch.sliding_layers:
-        heading += (f"; sliding-window layers {', '.join(map(str, arch.sliding_layers))} hold "
-                    f"min(context, {arch.sliding_window:,}) tokens")
+    heading = f"{arch.name}: {shape_words(arch)}; context {context:,}, batch {batch}, FP16 cache " \
+              f"{format_bytes(fp16_bytes(arch, context, batch))}"
+    if shape is not None:
+        from kveval.memory.shapes import NAMED_SHAPES
+
+        entry = NAMED_SHAPES[arch.name]
+        heading += f"; values from {entry['source']} (checked: {entry['checked']})"
+    layers_line = arch.describe_layers()
+    if layers_line:
+        heading += f"; {layers_line}"
+    if arch.state is not None:
+        heading += f"; fixed state {format_bytes(batch * arch.state_bytes())} (not in the rows' totals)"
+    if skipped:
+        heading += f"; left out (they do not fit this model): {', '.join(skipped)}"
     if gpu_memory is not None:
         weights = arch.model_bytes
         heading += f"; GPU {format_bytes(parse_size(gpu_memory))}"

@@ -17,9 +17,11 @@ def _slug(text: str) -> str:
 
 
 def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context: int | None = None,
-                 allow_fp: bool = False, eval_tokens: int = 4096) -> str:
-    """``kveval plan SCAN_DIR --budget B [--out PATH]``: write a ready-to-run config and ``<name>.plan.json``
-    beside it; print a summary; return the config's path.
+                 allow_fp: bool = False, eval_tokens: int = 4096, engine: str | None = None) -> str:
+    """``kveval plan SCAN_DIR --budget B [--out PATH] [--engine E]``: write a ready-to-run config and
+    ``<name>.plan.json`` beside it; print a summary; return the config's path. ``engine``: plan only among the
+    policies that engine can run (:func:`kveval.tasks.sensitivity.planner.engine_plan`; ``kveval deploy`` prints
+    its flags).
 
     Bad input is one KvevalError line before anything is written: a scan whose metrics.json misses fields or holds
     wrong ones (:func:`kveval.tasks.sensitivity.planner.check_scan`), a budget below the smallest plan, a context
@@ -29,13 +31,19 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     scan_dir = Path(scan_dir)
     metrics = read_metrics(scan_dir)
     resolved = read_config(scan_dir)
-    p = plan(metrics, budget, context=context, allow_fp=allow_fp)
-    name = _slug(f"{metrics.get('run', 'scan')}_plan_{p.budget.text}")
+    p = plan(metrics, budget, context=context, allow_fp=allow_fp, engine=engine)
+    name = _slug(f"{metrics.get('run', 'scan')}_plan_{p.budget.text}" + (f"_{engine}" if engine else ""))
     path = Path(out) if out else GENERATED_DIR / f"{name}.yaml"
     if path.suffix not in (".yaml", ".yml"):
         path = path / f"{name}.yaml"
     scanned = list(metrics["sensitivity"]["specs"])
-    uniform = nearest_uniform(metrics, p, list(dict.fromkeys(scanned + ["int8"])))
+    if engine:
+        from kveval.tasks.sensitivity.engines import ENGINES
+
+        pool = [s for s in ENGINES[engine].candidates(scanned) if s != "none"]
+    else:
+        pool = list(dict.fromkeys(scanned + ["int8"]))
+    uniform = nearest_uniform(metrics, p, pool)
     bills = {s: kv_bytes(p.arch, s, p.context) for s in uniform}
     fp16 = fp16_bytes(p.arch, p.context)
     policies = {"planned": p.policy_config(), **{s: s for s in uniform}}
@@ -67,9 +75,11 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
         f"# predicted_delta_ppl_pct: {p.predicted_delta_ppl_pct:.4g}",
         *[f"# uniform {s}: {bills[s].bits_per_element:.4f} bits/element, predicted_kld_sum {predictions[s]:.6g}"
           for s in uniform],
-        f"# Candidates: {', '.join(scanned + [s for s in ('int8',) if s not in scanned])}"
-        + (" + none" if allow_fp else "") + (f"; KLD of {', '.join(p.estimated)} estimated (not scanned)"
-                                              if p.estimated else ""),
+        (f"# Engine: {engine}: only the policies it can run, from the scanned {', '.join(pool)} (kveval deploy "
+         f"{path.with_name(path.stem + '.plan.json').as_posix()} prints its flags)" if engine else
+         f"# Candidates: {', '.join(scanned + [s for s in ('int8',) if s not in scanned])}"
+         + (" + none" if allow_fp else "") + (f"; KLD of {', '.join(p.estimated)} estimated (not scanned)"
+                                               if p.estimated else "")),
         "# Per layer (K / V): " + "; ".join(f"{i}: {k}/{v}" for i, (k, v) in enumerate(zip(p.key, p.value))),
         (f"# Evaluated on corpus tokens from {metrics['sensitivity']['token_end']} on: after the scan's slice "
          f"[0, {metrics['sensitivity']['token_end']}), so the plan is not judged on the tokens it was fitted on."
@@ -84,7 +94,7 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
         "total_bytes": p.total_bytes, "bits_per_element": p.bits_per_element,
         "bytes_per_token": p.total_bytes / p.context, "fraction_of_fp16": p.total_bytes / fp16,
         "predicted_kld_sum": p.predicted_kld_sum, "predicted_delta_ppl_pct": p.predicted_delta_ppl_pct,
-        "estimated_specs": p.estimated, "allow_fp": allow_fp,
+        "estimated_specs": p.estimated, "allow_fp": allow_fp, "engine": engine,
         "layers": [{"layer": i, "key": k, "value": v} for i, (k, v) in enumerate(zip(p.key, p.value))],
         "policy": p.policy_config(),
         "uniform": {s: {"bits_per_element": bills[s].bits_per_element, "total_bytes": bills[s].total,

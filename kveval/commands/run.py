@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from kveval.calibration.checks import check_scales, check_scales_unchanged, resolve_auto_scales
+from kveval.calibration.checks import check_scales, check_scales_unchanged, resolve_auto_scales, scales_sources
 from kveval.config import ExperimentConfig
 from kveval.errors import KvevalError
 from kveval.progress import Progress
@@ -98,7 +98,8 @@ def run_experiment(
 def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrite: bool, quiet: bool,
                 config_path: str | None) -> dict:
     """The body of :func:`run_experiment`, with the folder's lock held."""
-    from kveval.models import load_model, model_info
+    from kveval.memory.fit import check_design
+    from kveval.models import load_model, model_arch, model_info
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     policies = cfg.policies()
@@ -112,8 +113,9 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
         device_map=cfg.model.device_map, max_memory=cfg.model.max_memory,
     )
     info = model_info(model)
+    arch = model_arch(model)
     for policy in policies.values():
-        policy.check_model(info["num_layers"], info["head_dim"])
+        check_design(arch, policy)  # a design kveval does not model under this policy: one line, before any write
     weights = prepare_weights(cfg, model)  # shapes, group sizes, module kinds: before anything is written
 
     ctx = TaskContext(
@@ -154,6 +156,8 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     env["command"] = f"kveval run {config_path}" if config_path else None
     if weights:
         env["weights"] = weights_info(ctx)
+    if scales_sources(ctx):
+        env["scales"] = scales_sources(ctx)  # where each policy's static scales came from (checkpoint, file, ...)
     run.write_env(env, started=started)
     metrics: dict = {"run": cfg.name, "model": cfg.model.name, BASELINE: {}, "policies": {n: {} for n in policies}}
     kinds = [entry.kind for entry in cfg.tasks]

@@ -15,15 +15,17 @@ from kveval.memory.bill import (
     fp16_bytes,
     kv_budget,
     kv_bytes,
+    kv_elements,
     max_batch,
     max_context,
     paging,
     token_split,
 )
+from kveval.memory.fit import check_design, check_policy, model_designs
 from kveval.units import format_bytes
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE", "FP16_BYTES", "NAMED_SHAPES", "Arch", "Bill", "Paging", "Part", "as_policy", "block_bytes",
-    "format_bytes", "fp16_bytes", "kv_budget", "kv_bytes", "max_batch", "max_context", "paging", "token_split",
-    "sliding_window_layers", "MAX_CONTEXT",
+    "format_bytes", "fp16_bytes", "kv_budget", "kv_bytes", "kv_elements", "max_batch", "max_context", "paging", "token_split",
+    "sliding_window_layers", "MAX_CONTEXT", "check_design", "check_policy", "model_designs",
 ]

@@ -31,7 +31,15 @@ tokens of ``batch`` sequences (K/V tensors ``[batch, kv_heads, n, head_dim]``):
   ``DynamicSlidingWindowLayer`` keeps ``window - 1`` between calls and reads them with the new token; vLLM's
   hybrid allocator frees the blocks that left the window): its sinks, quantized middle and residual are cut at
   position ``n - window`` (``token_split``); a per-channel block keeps its codes and scales until its last token
-  has left the window.
+  has left the window. A chunked-attention layer (Llama-4's local layers, ``Arch.chunked_layers``) is held the
+  same way with ``window = attention_chunk_size`` (transformers keeps it in the same sliding layer; the mask then
+  limits attention to the current chunk).
+* per layer, the shapes ``Arch.kv_shapes(policy.mla)`` store: ``[kv_heads, head_dim]`` for keys and values, or,
+  for multi-head latent attention, the latent ``c_kv`` ``[1, kv_lora_rank]`` (the key spec) and ``k_pe``
+  ``[1, qk_rope_head_dim]`` (the value spec) in the ``latent`` layout engines use. Layers without K/V
+  (linear-attention, Mamba, MLP-only) hold nothing here; their fixed-size state is ``Bill.state``, per sequence,
+  outside ``total`` (``Arch.state_bytes``: conv state in ``fp_bytes``, recurrent state in float32). Capacity
+  counts it: a sequence needs its KV bytes plus its state.
 
 Worked (the published figures, binary units, symmetric, float32 scales, no zero point), ``llama-7b-mha``
 (32 layers, 32 KV heads, head_dim 128), batch 1, 2048 tokens: FP16 = 2 * 32 * 32 * 2048 * 128 * 2 B = 1 GiB;
@@ -55,7 +63,8 @@ from typing import Any
 import torch
 
 from kveval.errors import KvevalError
-from kveval.memory.arch import Arch, positive_int
+from kveval.memory.arch import KV_KINDS, Arch, positive_int
+from kveval.memory.fit import check_policy
 from kveval.policy import KVPolicy
 from kveval.quant import QuantSpec, packed_nbytes
 from kveval.units import format_bytes  # the capacity errors' sizes
@@ -96,6 +105,8 @@ class Bill:
     ``(key Part, value Part)`` of layer i; ``quantized_tokens`` / ``fp_tokens`` are per sequence, for the keys of
     a full-attention layer whose specs quantize (sinks + residual window are ``fp_tokens``); ``value_tokens`` is the values'
     ``(fp_tokens, quantized_tokens)`` (the same split unless keys and values follow different schedules).
+    ``state``: the fixed state of the ``batch`` sequences in the state layers (bytes, not in ``total``: no KV
+    policy changes it); ``layout``: an MLA model's cache layout (``latent`` / ``decompressed``), else None.
     """
 
     policy: str
@@ -110,6 +121,8 @@ class Bill:
     value_tokens: tuple[int, int] = (0, 0)
     window: int | None = None  # the sliding window of ``sliding_layers`` (they hold min(context, window) tokens)
     sliding_layers: tuple[int, ...] = ()
+    state: int = 0
+    layout: str | None = None
 
     @property
     def codes(self) -> int:
@@ -128,6 +141,11 @@ class Bill:
         return self.codes + self.scales + self.residual
 
     @property
+    def total_with_state(self) -> int:
+        """What the ``batch`` sequences need in all: the KV bytes plus the state layers' fixed state."""
+        return self.total + self.state
+
+    @property
     def bytes_per_token(self) -> float:
         """Total bytes per token of one sequence, amortised over the context (scales and windows included)."""
         return self.total / (self.batch * self.context)
@@ -141,7 +159,8 @@ class Bill:
         return {"policy": self.policy, "context": self.context, "batch": self.batch, "total": self.total,
                 "codes": self.codes, "scales": self.scales, "residual": self.residual,
                 "bytes_per_token": self.bytes_per_token, "key": self.key.to_dict(), "value": self.value.to_dict(),
-                "sliding_window": self.window, "sliding_layers": list(self.sliding_layers)}
+                "sliding_window": self.window, "sliding_layers": list(self.sliding_layers), "state": self.state,
+                **({"mla_layout": self.layout} if self.layout else {})}
 
 
 def as_policy(policy: KVPolicy | str) -> KVPolicy:
@@ -183,28 +202,10 @@ def token_split(policy: KVPolicy, n: int, kind: str = "key", prompt: int | None 
     return fp, max(end - start, 0)
 
 
-def check_sliding_window(policy: KVPolicy, window: int | None, sliding_layers: tuple[int, ...] | list[int],
-                         n_layers: int) -> None:
-    """Refuse a policy whose per-channel token blocks (a dynamic channel spec, quantized ``residual`` tokens at a
-    time) are longer than a sliding-window layer's window: the oldest tokens of a block would leave the window
-    before the block is complete, and its statistics could not be those of the whole block."""
-    if window is None:
-        return
-    for i in sliding_layers:
-        for kind, spec in zip(("key", "value"), policy.specs_for_layer(i, n_layers, sliding_layers)):
-            if spec.is_none or not spec.gran.token_blocks or policy.uses_static(spec):
-                continue
-            if policy.residual > window:
-                raise KvevalError(
-                    f"policy '{policy.name}': its {kind}s are quantized per channel in blocks of {policy.residual} "
-                    f"tokens, longer than the {window}-token sliding window of layer {i}; use residual <= {window} "
-                    f"or a per-token {kind} spec on the sliding-window layers"
-                )
-
-
 def _tensor_part(spec: QuantSpec, policy: KVPolicy, arch: Arch, layer: int, batch: int, n: int, fp_bytes: int,
-                 kind: str, prompt: int | None) -> Part:
-    B, H, D = batch, arch.kv_heads, arch.head_dim
+                 kind: str, prompt: int | None, shape: tuple[int, int]) -> Part:
+    """Bytes of one tensor kind of layer ``layer``, whose token rows are ``shape = (heads, dim)``."""
+    B, (H, D) = batch, shape
     window = arch.window(layer)
     if spec.is_none:
         return Part(residual=B * H * arch.held_tokens(layer, n) * D * fp_bytes)
@@ -234,39 +235,60 @@ def kv_bytes(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1, f
     ``fp_bytes``: bytes per full-precision element (residual window, sinks, ``none`` specs): 2 for FP16/BF16
     serving, 4 for a float32 model; a ``model`` scale dtype takes the same size. ``prompt``: the tokens the first
     call stored (default ``context``: one prompt filled the cache); only transformers' ``prompt_block`` schedule
-    depends on it. Raises KvevalError for sizes <= 0 or a group size that does not divide head_dim.
+    depends on it. Raises KvevalError for sizes <= 0 or a policy that cannot act on this model
+    (``kveval.memory.fit.check_policy``: a group size that does not divide what a spec quantizes, ...).
     """
     _check_sizes(context, batch, fp_bytes)
     pol = as_policy(policy)
-    pol.check_model(arch.layers, arch.head_dim)
-    check_sliding_window(pol, arch.sliding_window, arch.sliding_layers, arch.layers)
+    check_policy(arch, pol)
+    shapes = arch.kv_shapes(pol.mla)
     per_layer = []
     key = value = Part()
     for i in range(arch.layers):
+        if arch.kind(i) not in KV_KINDS:
+            per_layer.append((Part(), Part()))
+            continue
         ks, vs = pol.specs_for_layer(i, arch.layers, arch.sliding_layers)
-        k = _tensor_part(ks, pol, arch, i, batch, context, fp_bytes, "key", prompt)
-        v = _tensor_part(vs, pol, arch, i, batch, context, fp_bytes, "value", prompt)
+        k = _tensor_part(ks, pol, arch, i, batch, context, fp_bytes, "key", prompt, shapes[0])
+        v = _tensor_part(vs, pol, arch, i, batch, context, fp_bytes, "value", prompt, shapes[1])
         per_layer.append((k, v))
         key, value = key + k, value + v
     n_fp, n_q = token_split(pol, context, "key", prompt)
     return Bill(policy=pol.name, context=context, batch=batch, key=key, value=value, per_layer=tuple(per_layer),
                 quantized_tokens=n_q, fp_tokens=n_fp,
-                elements=2 * _held(arch, context) * batch * arch.kv_heads * arch.head_dim,
+                elements=kv_elements(arch, context, batch, pol.mla),
                 value_tokens=token_split(pol, context, "value", prompt),
-                window=arch.sliding_window, sliding_layers=arch.sliding_layers)
+                window=arch.sliding_window, sliding_layers=arch.sliding_layers,
+                state=batch * arch.state_bytes(fp_bytes), layout=None if arch.mla is None else pol.mla)
 
 
 def _held(arch: Arch, context: int) -> int:
-    """Token rows held across layers: ``sum_l held_tokens(l, context)`` (``layers * context`` without sliding
-    layers)."""
+    """Token rows held across layers: ``sum_l held_tokens(l, context)`` (``layers * context`` when every layer
+    holds K/V of every token)."""
     return sum(arch.held_tokens(i, context) for i in range(arch.layers))
 
 
-def fp16_bytes(arch: Arch, context: int, batch: int = 1) -> int:
+def _row_elements(arch: Arch, layout: str) -> int:
+    """K and V elements of one token row of one layer: ``2 * kv_heads * head_dim``, or with MLA
+    ``kv_lora_rank + qk_rope_head_dim`` (latent) / ``heads * (qk_head_dim + v_head_dim)`` (decompressed)."""
+    (hk, dk), (hv, dv) = arch.kv_shapes(layout)
+    return hk * dk + hv * dv
+
+
+def kv_elements(arch: Arch, context: int, batch: int = 1, layout: str = "latent") -> int:
+    """K and V elements the cache holds for ``batch`` sequences of ``context`` tokens (the denominator of bits per
+    element): ``2 * layers * batch * kv_heads * context * head_dim`` for a model whose every layer caches K/V of
+    every token; windows, layers without K/V and MLA's latent as in :func:`fp16_bytes`."""
+    return _held(arch, context) * batch * _row_elements(arch, layout)
+
+
+def fp16_bytes(arch: Arch, context: int, batch: int = 1, layout: str = "latent") -> int:
     """Bytes of the unquantized FP16 cache: ``2 (K, V) * layers * batch * kv_heads * context * head_dim * 2``
-    (a sliding-window layer counts ``min(context, window)`` tokens)."""
+    (a sliding-window or chunked layer counts ``min(context, window)`` tokens, a layer without K/V none; an MLA
+    model stores ``(kv_lora_rank + qk_rope_head_dim) * 2`` bytes per token and layer in the ``latent``
+    ``layout``). The state layers' state is not in it (``Arch.state_bytes``)."""
     _check_sizes(context, batch, 1)
-    return 2 * _held(arch, context) * batch * arch.kv_heads * arch.head_dim * FP16_BYTES
+    return kv_elements(arch, context, batch, layout) * FP16_BYTES
 
 
 # ------------------------------------------------------------------------------------------------- capacity
@@ -296,25 +318,26 @@ def kv_budget(arch: Arch, gpu_memory: int, model_bytes: int | None = None, activ
 
 def max_batch(arch: Arch, policy: KVPolicy | str, context: int, gpu_memory: int, model_bytes: int | None = None,
               activation_bytes: int = 0, fp_bytes: int = FP16_BYTES) -> int:
-    """``floor((gpu_memory - model_bytes - activation_bytes) / kv_bytes_per_sequence)`` (may be 0).
+    """``floor((gpu_memory - model_bytes - activation_bytes) / bytes_per_sequence)`` (may be 0), a sequence's
+    bytes being its KV bill plus the state layers' fixed state (``Bill.total_with_state``).
 
     Worked: llama-7b-mha, FP16 at 2048 tokens (1 GiB per sequence) on 80 GiB with 6,738,415,616 * 2 B of weights
     (12.55 GiB): floor(67.45) = 67.
     """
     budget = kv_budget(arch, gpu_memory, model_bytes, activation_bytes)
-    per_seq = kv_bytes(arch, policy, context, 1, fp_bytes).total
+    per_seq = kv_bytes(arch, policy, context, 1, fp_bytes).total_with_state
     return int(budget // per_seq)
 
 
 def max_context(arch: Arch, policy: KVPolicy | str, gpu_memory: int, batch: int = 1,
                 model_bytes: int | None = None, activation_bytes: int = 0, fp_bytes: int = FP16_BYTES) -> int:
-    """The longest context L such that ``kv_bytes(arch, policy, L, batch).total`` fits the budget (0 if none;
+    """The longest context L such that ``kv_bytes(arch, policy, L, batch).total_with_state`` fits the budget (0 if none;
     ``MAX_CONTEXT`` = 2**31 when memory sets no limit below it: a model whose every layer slides)."""
     budget = kv_budget(arch, gpu_memory, model_bytes, activation_bytes)
     pol = as_policy(policy)
 
     def fits(n: int) -> bool:
-        return kv_bytes(arch, pol, n, batch, fp_bytes).total <= budget
+        return kv_bytes(arch, pol, n, batch, fp_bytes).total_with_state <= budget
 
     if not fits(1):
         return 0
@@ -340,8 +363,8 @@ class Paging:
     ``total`` = the bill at ``blocks_per_sequence * block_size`` tokens (the last block's waste included);
     ``waste = total - bill.total``; ``block_bytes`` = bytes of one block of quantized tokens across all layers,
     K and V (steady state: scales per token/group, per-channel scales amortised over their token block; per-layer
-    tensor/head scales, full-precision windows and sliding-window layers, which hold a fixed window, are not per
-    block).
+    tensor/head scales, full-precision windows, sliding-window and chunked layers, which hold a fixed window, and
+    state layers are not per block).
     """
 
     block_size: int
@@ -369,13 +392,13 @@ def block_bytes(arch: Arch, policy: KVPolicy | str, block_size: int = DEFAULT_BL
     """
     positive_int(block_size, "block_size")
     pol = as_policy(policy)
-    pol.check_model(arch.layers, arch.head_dim)
-    H, D = arch.kv_heads, arch.head_dim
+    check_policy(arch, pol)
+    shapes = arch.kv_shapes(pol.mla)
     total = Fraction(0)
-    for i in range(arch.layers):
+    for i in arch.kv_layers:
         if arch.window(i) is not None:
             continue
-        for spec in pol.specs_for_layer(i, arch.layers, arch.sliding_layers):
+        for (H, D), spec in zip(shapes, pol.specs_for_layer(i, arch.layers, arch.sliding_layers)):
             nb = packed_nbytes(spec, (1, H, block_size, D), dtype=_FP_DTYPES[fp_bytes])
             if spec.is_none:
                 total += H * block_size * D * fp_bytes
@@ -404,6 +427,6 @@ def paging(arch: Arch, policy: KVPolicy | str, context: int, batch: int = 1,
 
 
 __all__ = [
-    "Bill", "Part", "Paging", "kv_bytes", "fp16_bytes", "max_batch", "max_context", "kv_budget", "paging",
-    "block_bytes", "token_split", "as_policy", "check_sliding_window", "MAX_CONTEXT",
+    "Bill", "Part", "Paging", "kv_bytes", "kv_elements", "fp16_bytes", "max_batch", "max_context", "kv_budget", "paging",
+    "block_bytes", "token_split", "as_policy", "MAX_CONTEXT",
 ]

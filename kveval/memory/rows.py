@@ -13,8 +13,13 @@ JSON schema (``memory_json``; field names are a contract, bytes are integers, bi
                  (full-precision sinks, residual window and unquantized tensors),
                "bytes_per_token": total / (batch * context) (float),
                "saving_vs_fp16": 1 - total / FP16 total (float, 0.75 = four times smaller),
-               "max_batch": int, or null without --gpu-memory,
-               "blocks": batch * ceil(context / block_size)}]}
+               "max_batch": int, or null without --gpu-memory (a sequence needs its KV bytes plus "state"),
+               "blocks": batch * ceil(context / block_size),
+               "state": bytes of the fixed state of the batch's sequences in linear-attention / Mamba layers
+                 (0 for a model without such layers; not in "total")}]}
+
+An MLA model's rows count what its cache layout stores (``Arch.kv_shapes``: the latent unless the policy says
+``mla: decompressed``); ``saving_vs_fp16`` compares with the FP16 latent cache, as engines store it.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def memory_rows(arch: Arch, policies: Any, context: int, batch: int = 1, gpu_mem
     for p in _policies(policies):
         pol = as_policy(p)
         bill = kv_bytes(arch, pol, context, batch, fp_bytes)
-        per_seq = bill.total if batch == 1 else kv_bytes(arch, pol, context, 1, fp_bytes).total
+        per_seq = bill.total_with_state if batch == 1 else kv_bytes(arch, pol, context, 1, fp_bytes).total_with_state
         rows.append({
             "policy": pol.name,
             "total": bill.total,
@@ -77,6 +82,7 @@ def memory_rows(arch: Arch, policies: Any, context: int, batch: int = 1, gpu_mem
             "saving_vs_fp16": 1 - bill.total / fp16,
             "max_batch": None if budget is None else int(budget // per_seq),
             "blocks": paging(arch, pol, context, batch, block_size, fp_bytes).blocks,
+            "state": bill.state,
         })
     return rows
 
@@ -103,7 +109,7 @@ def policy_memory_fields(arch: Arch, policy: KVPolicy | str, context: int, gpu_m
     bill = kv_bytes(arch, policy, context, 1, fp_bytes)
     mb = None
     if gpu_memory is not None:
-        mb = int(kv_budget(arch, parse_size(gpu_memory), model_bytes, activation_bytes) // bill.total)
+        mb = int(kv_budget(arch, parse_size(gpu_memory), model_bytes, activation_bytes) // bill.total_with_state)
     return {
         "bytes_per_token": bill.bytes_per_token,
         "compression_vs_fp16": fp16_bytes(arch, context, 1) / bill.total,

@@ -43,6 +43,7 @@ from kveval.models.hub import hub_guard
 from kveval.models.info import (
     CONTEXT_LIMIT_FALLBACK,
     context_limit_of,
+    model_arch,
     model_config,
     model_context_limit,
     model_info,
@@ -66,6 +67,6 @@ __all__ = [
     "builtin_models", "byte_tokenizer", "bytes_to_unicode", "check_device_map", "check_finite_weights",
     "check_max_memory", "check_model_folder", "check_model_source", "check_placement_devices",
     "clean_stale_temporaries", "context_limit_of", "file_digest", "gguf_cache_path", "hub_guard", "load_model",
-    "model_config", "model_context_limit", "model_info", "model_source", "offload_folder", "placement_summary",
+    "model_config", "model_context_limit", "model_arch", "model_info", "model_source", "offload_folder", "placement_summary",
     "smollm2_gguf", "tiny_model_config", "write_marker",
 ]

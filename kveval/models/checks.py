@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
 from kveval.errors import KvevalError
@@ -30,7 +31,7 @@ DEVICES = ("cpu", "cuda", "auto")
 #: what transformers raises for a folder, checkpoint or cache entry it cannot load (CUDA out of memory is a
 #: RuntimeError); each becomes one KvevalError line naming the model
 LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError, ImportError, IndexError,
-               SafetensorError)
+               SafetensorError, StrictDataclassError)  # the last: a config class refusing a config.json's values
 #: weight files that are pickles (never loaded: they can run code)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kveval.errors import KvevalError
-from kveval.memory.arch import sliding_window_layers
+from kveval.memory.arch import Arch
+from kveval.memory.fit import model_designs
 from kveval.models.builtin import BUILTIN_CONTEXT, tiny_model_config
 from kveval.models.checks import first_line, text_config
 from kveval.models.hub import hub_guard
@@ -29,37 +30,45 @@ def model_context_limit(model) -> int:
     return CONTEXT_LIMIT_FALLBACK
 
 
+def model_arch(model) -> Arch:
+    """What the loaded model's cache holds, layer by layer (:class:`kveval.memory.Arch` of its config, with its
+    exact parameter count): KvevalError (one line) for layers kveval does not model."""
+    return Arch.from_model(model)
+
+
 def model_info(model) -> dict:
     """Facts about a loaded model that the memory and report code use.
 
     Keys: name, model_type, num_layers, num_attention_heads, num_kv_heads, head_dim (``config.head_dim`` or
     hidden_size // num_attention_heads), hidden_size, vocab_size, context_limit, sliding_window,
-    sliding_layers (indices of sliding-window layers, [] if none), dtype, device (``cpu``, ``cuda:0``; for a
-    dispatched model the modules per device, ``dispatched: cpu 3, disk 2``), num_parameters.
+    sliding_layers (indices of sliding-window layers, [] if none), kv_layers (the layers that hold K/V: every
+    layer but linear-attention, Mamba and MLP-only ones), state_layers, chunked_layers, mla (the latent's
+    dimensions, None without MLA), designs (``kveval.memory.fit.model_designs``), dtype, device (``cpu``,
+    ``cuda:0``; for a dispatched model the modules per device, ``dispatched: cpu 3, disk 2``), num_parameters.
     """
     cfg = text_config(model.config)
-    n_heads = cfg.num_attention_heads
-    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    n_layers = cfg.num_hidden_layers
-    window, sliding_layers = sliding_window_layers(cfg.to_dict(), n_layers)
-    sliding = list(sliding_layers)
+    arch = model_arch(model)
     param = next(model.parameters())
     return {
         "name": getattr(model, "kveval_name", None) or getattr(model, "name_or_path", None) or "",
         "model_type": cfg.model_type,
-        "num_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_kv_heads": n_kv,
-        "head_dim": head_dim,
+        "num_layers": arch.layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_kv_heads": arch.kv_heads,
+        "head_dim": arch.head_dim,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "context_limit": model_context_limit(model),
-        "sliding_window": window,
-        "sliding_layers": sliding,
+        "sliding_window": arch.sliding_window,
+        "sliding_layers": list(arch.sliding_layers),
+        "kv_layers": list(arch.kv_layers),
+        "state_layers": list(arch.state_layers),
+        "chunked_layers": list(arch.chunked_layers),
+        "mla": None if arch.mla is None else arch.mla.to_dict(),
+        "designs": list(model_designs(arch)),
         "dtype": str(param.dtype).removeprefix("torch."),
         "device": placement_summary(model) or str(param.device),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_parameters": arch.params,
     }
 
 
@@ -89,6 +98,7 @@ def model_config(name: str) -> Any:
     without its weights: a builtin's (the tiny models' from code, SmolLM2's from its GGUF header), a GGUF file's
     header, a folder's config.json, a hub id's config (offline when the hub cannot be reached). KvevalError (one
     line) when it cannot be read."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     source = model_source(name)
@@ -112,5 +122,5 @@ def model_config(name: str) -> Any:
                     raise KvevalError(f"the config of {name!r} is not in the local HuggingFace cache and the hub "
                                       "cannot be reached; use --shape or --layers --kv-heads --head-dim") from None
                 raise KvevalError(f"the config of {name!r} could not be read: {first_line(exc)}") from None
-    except (OSError, ValueError, KeyError) as exc:
-        raise KvevalError(f"the config of {name!r} could not be read: {first_line(exc)}") from None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError, StrictDataclassError) as exc:  # a config class
+        raise KvevalError(f"the config of {name!r} could not be read: {first_line(exc)}") from None  # refusing values

@@ -24,6 +24,21 @@ BUILTINS: dict[str, str] = {
     "tiny-llama": "random-weight Llama, 4 layers, 4 q / 2 kv heads (GQA), head_dim 32, byte tokenizer (tests)",
     "tiny-gemma3": "random-weight Gemma3 text model, 4 layers, sliding window 8 on layers 0 and 2, GQA, "
     "head_dim 32, byte tokenizer (tests)",
+    # one tiny random model per attention family (kveval.models.builtin.TINY_FAMILIES), 2 layers, byte tokenizer
+    "tiny-qwen2": "random-weight Qwen2 (QKV bias), 2 layers, GQA",
+    "tiny-qwen3": "random-weight Qwen3 (QK norm), 2 layers, GQA",
+    "tiny-phi3": "random-weight Phi-3 (fused QKV), 2 layers",
+    "tiny-mistral": "random-weight Mistral, 2 layers, every layer a sliding window of 8",
+    "tiny-cohere2": "random-weight Cohere-2, 2 layers, sliding window 8 on layer 0",
+    "tiny-olmo2": "random-weight OLMo-2, 2 layers",
+    "tiny-glm4-moe": "random-weight GLM-4-MoE, 2 layers, partial rotary 0.5, MoE",
+    "tiny-gpt-oss": "random-weight GPT-OSS, 2 layers, learned attention sinks, sliding window 8 on layer 0, MoE "
+    "(eager attention)",
+    "tiny-llama4": "random-weight Llama-4 text model, 2 layers: chunked attention (chunk 8), then a global NoPE layer",
+    "tiny-deepseek-v3": "random-weight DeepSeek-V3, 2 layers, MLA with DeepSeek's latent (512 + 64 RoPE), MoE",
+    "tiny-qwen3-next": "random-weight Qwen3-Next, 2 layers: Gated DeltaNet linear attention, then full attention",
+    "tiny-falcon-h1": "random-weight Falcon-H1, 2 layers, each attention and Mamba-2 in parallel",
+    "tiny-granite-hybrid": "random-weight Granite-4 hybrid, 2 layers: Mamba-2, then attention",
 }
 
 

@@ -18,13 +18,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kveval.errors import KvevalError
-from kveval.stats import compare_logits
+from kveval.stats import compare_logits, llama_perplexity_stats, llama_sums, llama_token_values
 
 SYSTEMS: dict[str, str] = {}
 SYSTEMS["llamacpp"] = "kveval.parity.llamacpp"
 SYSTEMS["hf_quanto"] = "kveval.parity.hf_quanto"
 SYSTEMS["kivi"] = "kveval.parity.kivi"
 SYSTEMS["hf_hqq"] = "kveval.parity.hf_hqq"
+SYSTEMS["hf_fp8"] = "kveval.parity.hf_fp8"
 
 
 @dataclass
@@ -45,6 +46,10 @@ class ParityRow:
     max_abs_logit_gap: float
     kld_between_by_position: list[float] = field(default_factory=list, repr=False)
     notes: str = ""
+    #: llama-perplexity's statistics of each side against its own baseline (:func:`kveval.stats.llama_perplexity_stats`
+    #: over the scored positions): the system's quantized run against its full-precision one, kveval's likewise
+    ref_stats: dict = field(default_factory=dict, repr=False)
+    kv_stats: dict = field(default_factory=dict, repr=False)
 
     @property
     def ratio(self) -> float:
@@ -68,12 +73,17 @@ def compare(system: str, cache_type: str, preset: str, ids: torch.Tensor, *, ref
         ppl_b, ppl = math.exp(float(b["nll"].mean())), math.exp(float(m["nll"].mean()))
         return 100.0 * (ppl / ppl_b - 1.0), float(m["kld"].mean()), float(m["agree"].mean())
 
+    def stats(base: torch.Tensor, x: torch.Tensor) -> dict:
+        v = llama_token_values(base[sl], x[sl], targets)
+        return llama_perplexity_stats(llama_sums(v["nll"], v["nll_base"], v["kld"], v["p_diff"], v["same_top"]),
+                                      v["kld"].float().numpy(), v["p_diff"].float().numpy())
+
     r = side(ref_fp, ref)
     k = side(kv_fp, kv)
     between = compare_logits(ref[sl], kv[sl], targets)["kld"]
     gap = float((ref[sl].double() - kv[sl].double()).abs().max())
     return ParityRow(system, cache_type, preset, int(targets.numel()), *r, *k, float(between.mean()), gap,
-                     between.tolist(), notes)
+                     between.tolist(), notes, stats(ref_fp, ref), stats(kv_fp, kv))
 
 
 def parse_cache_type(text: str, system: str, prefix: str, sizes) -> tuple[int, int]:

@@ -309,18 +309,25 @@ class LlamaCpp:
 
     def _check_rotation(self, ct: CacheType) -> None:
         """The ``attn_rot_k`` / ``attn_rot_v`` that llama.cpp logged must be what ``ct`` asks for."""
-        log = "".join(_LOG)
-        for side, t in (("k", ct.type_k), ("v", ct.type_v)):
-            m = re.search(rf"attn_rot_{side} = (\d)", log)
-            if m is None:
-                if ct.rotation and t != "f16":
-                    raise RuntimeError("llama.cpp logged no attention rotation state; this build predates the "
-                                       "rotation (PR #21038): compare against the *_norot presets instead")
-                continue
-            want = ct.rotation and t != "f16" and (self.head_dim is None or self.head_dim % 64 == 0)
-            if bool(int(m.group(1))) != want:
-                raise RuntimeError(f"llama.cpp reports attn_rot_{side} = {m.group(1)} for {ct.label}; expected "
-                                   f"{int(want)} ({ROT_ENV} not taking effect, or head_dim % 64 != 0)")
+        check_rotation_log("".join(_LOG), ct, self.head_dim)
+
+
+def check_rotation_log(log: str, ct: CacheType, head_dim: int | None) -> None:
+    """The ``attn_rot_k`` / ``attn_rot_v`` lines of llama.cpp's log (``src/llama-kv-cache.cpp``) must be what ``ct``
+    asks for (RuntimeError otherwise); llama.cpp rotates a quantized side when ``head_dim % 64 == 0`` (None: assume
+    it does)."""
+    for side, t in (("k", ct.type_k), ("v", ct.type_v)):
+        m = re.search(rf"attn_rot_{side} = (\d)", log)
+        quantized = t not in ("f16", "f32")
+        if m is None:
+            if ct.rotation and quantized:
+                raise RuntimeError("llama.cpp logged no attention rotation state; this build predates the "
+                                   "rotation (PR #21038): compare against the *_norot presets instead")
+            continue
+        want = ct.rotation and quantized and (head_dim is None or head_dim % 64 == 0)
+        if bool(int(m.group(1))) != want:
+            raise RuntimeError(f"llama.cpp reports attn_rot_{side} = {m.group(1)} for {ct.label}; expected "
+                               f"{int(want)} ({ROT_ENV} not taking effect, or head_dim % 64 != 0)")
 
 
 # --------------------------------------------------------------------------------------------------- the run

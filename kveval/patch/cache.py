@@ -45,15 +45,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import (
+    Cache,
+    DummyLayer,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from kveval.errors import KvevalError
-from kveval.memory.arch import sliding_window_layers
-from kveval.memory.bill import check_sliding_window
 from kveval.patch import attention as attn
-from kveval.patch.attention import attention_modules
-from kveval.patch.quantizers import TensorQuantizer, layer_quantizers, model_type_of, policy_scales
-from kveval.patch.rope_capture import rope_for, track_rope
+from kveval.patch.layers import model_quantizers
+from kveval.patch.quantizers import TensorQuantizer
+from kveval.patch.rope_capture import rope_for
 from kveval.policy import KVPolicy
 from kveval.policy.masks import Schedule
 from kveval.quant import QuantizedTensor, dequantize
@@ -624,6 +632,49 @@ class QuantizedKVLayer(DynamicLayer):
         return out
 
 
+class QuantizedHybridLayer(LinearAttentionLayer, QuantizedKVLayer):
+    """A layer that holds both a quantized K/V cache and a full-precision linear-attention / Mamba state (Falcon-H1's
+    parallel attention + Mamba layers): transformers' ``LinearAttentionAndFullAttentionLayer`` with
+    ``QuantizedKVLayer`` as its attention part. The conv and recurrent states are kept exactly as transformers keeps
+    them (``LinearAttentionLayer``: the live tensors, updated in place by the model)."""
+
+    is_compileable = False
+
+    def __init__(self, *args, number_of_states: int = 1, **kwargs):
+        QuantizedKVLayer.__init__(self, *args, **kwargs)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        self._args, self._kwargs = args, kwargs
+
+    def lazy_initialization(self, *args, **kwargs) -> None:  # type: ignore[override]
+        # the attention part calls it with (keys, values); the state part with keyword arguments only
+        if len(args) == 2 and not kwargs:
+            QuantizedKVLayer.lazy_initialization(self, *args)
+        elif not args:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def get_max_length(self) -> int:
+        return QuantizedKVLayer.get_max_length(self)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        QuantizedKVLayer.__init__(self, *self._args, **self._kwargs)
+
+
+def state_nbytes(layer) -> int:
+    """Bytes of a linear-attention / Mamba layer's conv and recurrent states as held (0 for other layers)."""
+    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        return 0
+    held = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+    return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+
+#: transformers' cache layers kveval replaces (attention) or keeps as they are (states, nothing); any other layer
+#: class (an indexer cache, compressed attention, ...) is a design kveval does not model
+_ATTENTION_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer,
+                     LinearAttentionAndSlidingWindowAttentionLayer)
+_KEPT_LAYERS = (LinearAttentionLayer, DummyLayer)
+
+
 def cache_kwargs(model, cache: Cache) -> dict:
     """The keyword that hands a cache to ``model.forward``: ``cache`` in newer transformers 5.x releases,
     ``past_key_values`` before (``generate()`` takes ``past_key_values``)."""
@@ -631,12 +682,6 @@ def cache_kwargs(model, cache: Cache) -> dict:
 
     params = inspect.signature(model.forward).parameters
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
-
-
-def _sliding_layers(model, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(window, sliding-window layer indices) of the model's config (``kveval.memory.sliding_window_layers``)."""
-    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
-    return sliding_window_layers(cfg.to_dict(), n_layers)
 
 
 def left_padding_of(attention_mask: torch.Tensor) -> list[int]:
@@ -658,9 +703,14 @@ def left_padding_of(attention_mask: torch.Tensor) -> list[int]:
 class QuantizedKVCache(Cache):
     """A transformers ``Cache`` whose layers store K/V quantized under ``policy``.
 
-    Full-attention layers keep every token; sliding-window layers (the config's ``layer_types`` /
-    ``sliding_window``) keep the newest ``window`` tokens, so that ``nbytes()`` equals the memory bill
-    (``kveval.memory.kv_bytes`` of ``Arch.from_model``) after every call; for a batch, the sum of its rows' bills.
+    One layer per model layer, built from transformers' own (``DynamicCache(config=...)``): its attention layers
+    become ``QuantizedKVLayer`` (full-attention layers keep every token; sliding-window and chunked-attention
+    layers keep the newest ``window`` tokens), a layer holding both K/V and a state (Falcon-H1) a
+    ``QuantizedHybridLayer``; linear-attention / Mamba layers keep transformers' ``LinearAttentionLayer`` (their
+    state in full precision) and MLP-only layers its ``DummyLayer``. So ``nbytes()`` equals the memory bill
+    (``kveval.memory.kv_bytes`` of ``Arch.from_model``) after every call, for a batch the sum of its rows' bills,
+    and ``nbytes()["state"]`` the bill's ``state``. An MLA model's layers hold what its attention hands the cache,
+    the latent ``c_kv`` (key spec) and ``k_pe`` (value spec).
 
     ``left_padding``: per row, the padding positions before its first token (the module docstring, "Batches and
     left padding"); None: read from the ``attention_mask`` of the first forward call of ``model`` that receives
@@ -678,34 +728,45 @@ class QuantizedKVCache(Cache):
 
     def __init__(self, model, policy: KVPolicy, *, left_padding: Sequence[int] | torch.Tensor | None = None,
                  max_length: int | None = None):
-        modules = attention_modules(model)
-        n = len(modules)
-        window, sliding = _sliding_layers(model, n)
-        check_sliding_window(policy, window, sliding, n)
-        scales = policy_scales(policy, model)
-        if any(t.needs_rope for t in policy.transform_sequence()):
-            track_rope(model)
-        quantizers = [layer_quantizers(policy, m.layer_idx, n, scales, model.device, model_type_of(model),
-                                       sliding)
-                      for m in modules]
-        hooked = any(q.hooks_attention for pair in quantizers for q in pair)
+        mq = model_quantizers(model, policy, real_cache=True)
+        arch = mq.arch
+        hooked = any(q.hooks_attention for pair in mq.quantizers.values() for q in pair)
         base = attn.base_implementation(model) if hooked else None
         if isinstance(left_padding, torch.Tensor):
             left_padding = [int(p) for p in left_padding.tolist()]
         if left_padding is not None and any(p < 0 for p in left_padding):
             raise KvevalError(f"left_padding must be >= 0 per row; got {list(left_padding)}")
+        stock = DynamicCache(config=model.config).layers  # transformers' own layer per model layer
+        if len(stock) != arch.layers:
+            raise KvevalError(f"transformers builds {len(stock)} cache layers for this model's {arch.layers} layers; "
+                              "kveval does not model this design")
         plans: dict = {}
-        layers = [
-            QuantizedKVLayer(k_q, v_q, policy, is_sliding=m.layer_idx in sliding, module=m,
-                             implementation=base if k_q.hooks_attention or v_q.hooks_attention else None,
-                             window=window, left_padding=left_padding, reserve=max_length, plans=plans)
-            for m, (k_q, v_q) in zip(modules, quantizers)
-        ]
+        layers: list = []
+        for i, layer in enumerate(stock):
+            if type(layer) in _KEPT_LAYERS and i not in mq.modules:
+                layers.append(layer)  # a linear-attention / Mamba state (full precision) or nothing
+                continue
+            window = arch.window(i)
+            if type(layer) not in _ATTENTION_LAYERS or i not in mq.modules \
+                    or getattr(layer, "is_sliding", False) != (window is not None):
+                raise KvevalError(f"layer {i}: transformers caches it as {type(layer).__name__}, which kveval does "
+                                  "not model for this layer; it cannot say what a quantized cache would hold")
+            k_q, v_q = mq.quantizers[i]
+            kwargs = dict(is_sliding=window is not None, module=mq.modules[i],
+                          implementation=base if k_q.hooks_attention or v_q.hooks_attention else None,
+                          window=window, left_padding=left_padding, reserve=max_length, plans=plans)
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                layers.append(QuantizedHybridLayer(k_q, v_q, policy, number_of_states=layer.number_of_states,
+                                                   **kwargs))
+            else:
+                layers.append(QuantizedKVLayer(k_q, v_q, policy, **kwargs))
         super().__init__(layers=layers)
         self.policy = policy
         self.left_padding = None if left_padding is None else list(left_padding)
+        attending = {mq.modules[i]: la for i, la in enumerate(layers)
+                     if isinstance(la, QuantizedKVLayer) and la.implementation}
         if hooked:
-            attn.patched_while_passed(model, {m: la for m, la in zip(modules, layers) if la.implementation}, self)
+            attn.patched_while_passed(model, attending, self)
         if left_padding is None:
             self._watch_first_mask(model)
 
@@ -726,17 +787,23 @@ class QuantizedKVCache(Cache):
             if any(pads):
                 cache.left_padding = pads
                 for layer in cache.layers:
-                    layer.left_padding = pads
+                    if isinstance(layer, QuantizedKVLayer):
+                        layer.left_padding = pads
 
         handle = model.register_forward_pre_hook(before, with_kwargs=True)
         weakref.finalize(self, handle.remove)
 
     def nbytes(self) -> dict:
-        """Bytes held by all layers: ``codes``, ``scales``, ``residual`` and ``total``."""
+        """Bytes held by all layers: ``codes``, ``scales``, ``residual`` and ``total`` of the K/V, and, for a model
+        with linear-attention / Mamba layers, ``state``: their conv and recurrent states (full precision, not in
+        ``total``)."""
         total = {"codes": 0, "scales": 0, "residual": 0, "total": 0}
         for layer in self.layers:
-            for k, v in layer.nbytes().items():
-                total[k] += v
+            if isinstance(layer, QuantizedKVLayer):
+                for k, v in layer.nbytes().items():
+                    total[k] += v
+        if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.layers):
+            total["state"] = sum(state_nbytes(layer) for layer in self.layers)
         return total
 
 

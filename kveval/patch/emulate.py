@@ -41,6 +41,13 @@ token (chunking only reorders float rounding).
 
 Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
 
+Multi-head latent attention (``kveval.memory.arch``): in the ``latent`` layout the quantized tensors are the
+latent ``c_kv`` and the RoPE'd ``k_pe`` that the cache stores, not the per-head keys attention sees. The two
+versions are made where the latent is decompressed: the attention module's ``expand_kv(c_kv, k_pe)`` (every MLA
+model of transformers 5 calls it right after the cache) gets ``[c ; ĉ]`` and ``[p ; p̂]`` and the model's own
+``kv_b_proj`` decompresses both; the attention call then splits what it receives into the two versions. The
+``decompressed`` layout quantizes the per-head K/V at the attention call, as for any other model.
+
 Batches: a batch of sequences of one length (no padding) is emulated in one pass, row by row the same as each row
 alone up to float rounding: the schedule depends on positions only, so every row reads the same versions (the
 masks are built once and broadcast over the batch); dynamic quantizer statistics are taken per token, group or
@@ -52,20 +59,16 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from kveval.errors import KvevalError
 from kveval.patch import attention as attn
 from kveval.patch.diagnostics import TensorErrorStats
-from kveval.patch.quantizers import (
-    TensorQuantizer,
-    layer_quantizers,
-    model_sliding_layers,
-    model_type_of,
-    policy_scales,
-)
-from kveval.patch.rope_capture import rope_for, track_rope
+from kveval.patch.layers import model_quantizers
+from kveval.patch.quantizers import TensorQuantizer
+from kveval.patch.rope_capture import rope_for
 from kveval.policy import KVPolicy
 from kveval.policy.masks import Schedule
 from kveval.quant import QuantSpec
@@ -130,6 +133,9 @@ class LayerEmulation:
     key_rows: list[TensorErrorStats] = field(default_factory=list)
     value_rows: list[TensorErrorStats] = field(default_factory=list)
     mask_cache: dict = field(default_factory=dict)  # shared by the layers of one emulate() call
+    #: an MLA layer in the latent layout: the quantizers act on the latent in ``expand``, before ``kv_b_proj``;
+    #: ``attend`` then receives the keys and values of both versions, ``[k ; k̂]``
+    latent: bool = False
 
     @property
     def key_stats(self) -> TensorErrorStats:
@@ -196,11 +202,38 @@ class LayerEmulation:
         mv = sinks | (j >= end_v[start:stop, None]) | everything
         return mk, mv
 
+    def expand(self, expand_kv, c_kv: torch.Tensor, k_pe: torch.Tensor):
+        """An MLA layer's ``expand_kv`` in the latent layout: ``c_kv`` ``[batch, 1, T, kv_lora_rank]`` (the key
+        spec's) and ``k_pe`` ``[batch, 1, T, qk_rope_head_dim]`` (the value spec's) get their quantized versions
+        exactly as the real cache stores them (``quantized_version``), and the model's own ``expand_kv``
+        decompresses both versions at once: keys ``[batch, heads, 2T, qk_head_dim]`` and values ``[batch, heads,
+        2T, v_head_dim]``, the full-precision version first (only the quantized one, ``T`` tokens, when no query
+        reads a token in full precision)."""
+        pol, prompt = self.policy, max(self.prefill_len, 1)
+        c_hat = quantized_version(c_kv, self.key_q, pol.schedule("key"), prompt=prompt)
+        p_hat = quantized_version(k_pe, self.value_q, pol.schedule("value"), prompt=prompt)
+        if self.diagnostics:
+            self._update_stats(c_kv, c_hat, k_pe, p_hat)
+        if not pol.has_full_precision_tokens(self.prefill_len):
+            return expand_kv(c_hat, p_hat)
+        return expand_kv(torch.cat([c_kv, c_hat], dim=-2), torch.cat([k_pe, p_hat], dim=-2))
+
     def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
         self.calls += 1
         stock = attn.stock_attention(module, self.implementation)
         if not self.quantizes and not self.transforms_act:
             return stock(module, query, key, value, attention_mask, *args, **kwargs)
+        if self.latent:  # the versions come from ``expand`` (no transforms act on an MLA model)
+            T = query.shape[-2]
+            if key.shape[-2] == T:
+                return stock(module, query, key, value, attention_mask, *args, **kwargs)
+            if key.shape[-2] != 2 * T:
+                raise KvevalError(
+                    "emulate() evaluates whole sequences in one pass; do not pass past_key_values (use QuantizedKVCache to decode)"
+                )
+            compute = attn.attention_call(stock, self.value_q)
+            return self._versions(compute, module, query, key[:, :, :T], value[:, :, :T], key[:, :, T:],
+                                  value[:, :, T:], attention_mask, *args, **kwargs)
         T = key.shape[-2]
         if query.shape[-2] != T:
             raise KvevalError(
@@ -222,14 +255,21 @@ class LayerEmulation:
         """Attention of ``query`` (after the query hooks) over the full-precision (``key_fp``, ``value_fp``: as
         attention reads them) and quantized versions of the model's ``key``/``value``; (output, weights).
         ``compute``: ``attn.attention_call``'s function (``key_positions``: each key's token position)."""
-        T = key.shape[-2]
         pol, prompt = self.policy, max(self.prefill_len, 1)
         k_hat = quantized_version(key, self.key_q, pol.schedule("key"), rope, key_fp, prompt)
         v_hat = quantized_version(value, self.value_q, pol.schedule("value"), rope, value_fp, prompt)
-        key, value = key_fp, value_fp
         if self.diagnostics:
-            self._update_stats(key, k_hat, value, v_hat)
-        if not self.policy.has_full_precision_tokens(self.prefill_len):
+            self._update_stats(key_fp, k_hat, value_fp, v_hat)
+        return self._versions(compute, module, query, key_fp, value_fp, k_hat, v_hat, attention_mask, *args,
+                              **kwargs)
+
+    def _versions(self, compute, module, query, key, value, k_hat, v_hat, attention_mask, *args, **kwargs):
+        """Attention of ``query`` over one version of each visible token: the full-precision ``key``/``value`` (as
+        attention reads them) or the quantized ``k_hat``/``v_hat``, all ``[batch, kv_heads, T, dim]``, as the
+        policy's schedule says; (output, weights)."""
+        T = key.shape[-2]
+        pol = self.policy
+        if not pol.has_full_precision_tokens(self.prefill_len):
             return compute(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
         # with an FP prefill, the P prompt queries see only full-precision keys: they run the model's own attention
         # over the prompt (its mask, or none: causal) and only the decoded queries attend over [k ; k̂]
@@ -343,24 +383,14 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
     restored on exit, also after an exception. Raises ``KvevalError`` if the model's attention cannot be patched,
     and ``RuntimeError`` if a forward pass bypasses a patched layer (never a silent full-precision run).
     """
-    modules = attn.attention_modules(model)
-    if not modules:
-        raise KvevalError(f"{type(model).__name__}: no attention modules with a layer index found; cannot patch")
+    mq = model_quantizers(model, policy)
     base = attn.base_implementation(model)
-    scales = policy_scales(policy, model)
-    if any(t.needs_rope for t in policy.transform_sequence()):
-        track_rope(model)
-    num_layers = len(modules)
-    sliding = model_sliding_layers(model, num_layers)
-    states = []
+    latent = mq.mla and policy.mla == "latent"
     masks: dict = {}
-    for module in modules:
-        k_q, v_q = layer_quantizers(policy, module.layer_idx, num_layers, scales, model.device,
-                                    model_type_of(model), sliding)
-        states.append(LayerEmulation(
-            module.layer_idx, k_q, v_q, policy, base, prefill_len=prefill_len, diagnostics=diagnostics,
-            mask_cache=masks,
-        ))
+    states = [LayerEmulation(i, k_q, v_q, policy, base, prefill_len=prefill_len, diagnostics=diagnostics,
+                             mask_cache=masks, latent=latent)
+              for i, (k_q, v_q) in mq.quantizers.items()]
+    modules = [mq.modules[s.layer_idx] for s in states]
 
     def before(_module, _args):
         for s in states:
@@ -375,9 +405,14 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
             )
 
     hooks = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    expanding = [(m, s) for m, s in zip(modules, states) if s.latent and s.quantizes]
+    for m, s in expanding:  # an instance attribute over the class's method, removed on exit
+        m.expand_kv = partial(s.expand, m.expand_kv)
     try:
         with attn.patched(model, dict(zip(modules, states))):
             yield Emulation(states)
     finally:
+        for m, _ in expanding:
+            del m.expand_kv
         for h in hooks:
             h.remove()

@@ -135,17 +135,6 @@ def model_type_of(model) -> str | None:
     return getattr(text, "model_type", None)
 
 
-def model_sliding_layers(model, num_layers: int) -> tuple[int, ...]:
-    """The model's sliding-window layer indices (``kveval.memory.sliding_window_layers`` of its config)."""
-    from kveval.memory.arch import sliding_window_layers
-
-    config = getattr(model, "config", None)
-    if config is None:
-        return ()
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return sliding_window_layers(text.to_dict(), num_layers)[1]
-
-
 def layer_quantizers(policy: KVPolicy, layer: int, num_layers: int, scales=None,
                      device: torch.device | str | None = None,
                      model_type: str | None = None,
@@ -155,7 +144,7 @@ def layer_quantizers(policy: KVPolicy, layer: int, num_layers: int, scales=None,
     (``key_pre_rope`` with pre_rope); a transform whose stored domain no scales describe is a KvevalError.
     ``model_type`` (``model_type_of(model)``): transforms that do not apply to it (``KVTransform.applies_to``,
     e.g. ``gguf_order`` on a Qwen model) are left out. ``sliding_layers``: the model's sliding-window layers
-    (``model_sliding_layers``), for a policy with ``skip_sliding``."""
+    (``Arch.sliding_layers``), for a policy with ``skip_sliding``."""
     key_spec, value_spec = policy.specs_for_layer(layer, num_layers, sliding_layers)
     sequence = tuple(t for t in policy.transform_sequence() if t.applies_to(model_type))
     out = []

@@ -10,6 +10,7 @@ Accepted (a config's ``kv: {policies: {NAME: ...}}`` entry, or a preset's config
     {spec: int4_g64, transforms: [pre_rope, {name: NAME, PARAM: VALUE}]}   # K/V transforms, in order
     {spec: int4_g64, rotate: hadamard}           # a rotation on any policy (kveval.transforms.rotate)
     {spec: int4_g64, skip_sliding: true}         # sliding-window layers in full precision (vLLM skip-layers)
+    {key: fp8_e4m3_g128, value: none, mla: latent}   # on an MLA model: key spec -> latent c_kv, value -> k_pe
     {spec: int4_g64, rotate: {kind: orthogonal, seed: 0, on: key}, pre_rope: true}   # pre-RoPE: undone on read
 
 A spec is a QuantSpec preset name or a mapping of QuantSpec fields (``{preset: int4_channel, outliers: 0.01}``).
@@ -25,7 +26,18 @@ from kveval.quant import QuantSpec, preset
 from kveval.transforms import parse_transforms
 
 POLICY_KEYS = ("preset", "key", "value", "spec", "layers", "residual", "residual_mode", "sink_tokens", "prefill",
-               "scales", "pre_rope", "transforms", "rotate", "skip_sliding")
+               "scales", "pre_rope", "transforms", "rotate", "skip_sliding", "mla", "designs")
+MLA_LAYOUTS = ("latent", "decompressed")
+#: the attention designs a preset's ``designs`` may name (``kveval.memory.fit`` reads a model's)
+DESIGNS = ("gqa", "sliding", "chunked", "state", "sinks", "mla")
+
+
+def design_known(design: str) -> bool:
+    """Whether ``design`` is one of ``DESIGNS`` or ``mla:RANK:ROPE`` (MLA with those latent and RoPE widths)."""
+    if design in DESIGNS:
+        return True
+    parts = design.split(":")
+    return len(parts) == 3 and parts[0] == "mla" and all(p.isdigit() and int(p) > 0 for p in parts[1:])
 ROTATE_KEYS = ("kind", "block", "seed", "on", "keep")
 OVERRIDE_KEYS = ("key", "value", "spec")
 
@@ -92,6 +104,16 @@ def policy_fields(cfg: dict, where: str) -> dict[str, Any]:
             raise KvevalError(f"{where}.{key}: expected true or false, got {cfg[key]!r}")
     if "skip_sliding" in cfg:
         fields["skip_sliding"] = cfg["skip_sliding"]
+    if "mla" in cfg:
+        if cfg["mla"] not in MLA_LAYOUTS:
+            raise KvevalError(f"{where}.mla: expected one of {', '.join(MLA_LAYOUTS)}, got {cfg['mla']!r}")
+        fields["mla"] = cfg["mla"]
+    if "designs" in cfg:
+        designs = cfg["designs"]
+        if not isinstance(designs, list) or not all(isinstance(d, str) and design_known(d) for d in designs):
+            raise KvevalError(f"{where}.designs: expected a list of attention designs ({', '.join(DESIGNS)}, or "
+                              f"mla:RANK:ROPE); got {designs!r}")
+        fields["designs"] = tuple(designs)
     if "transforms" in cfg:
         fields["transforms"] = parse_transforms(cfg["transforms"] or [], f"{where}.transforms")
     if "rotate" in cfg:

@@ -108,6 +108,14 @@ class KVPolicy:
     transforms: tuple[KVTransform, ...] = ()
     #: keep sliding-window layers in full precision (vLLM ``--kv-cache-dtype-skip-layers sliding_window``)
     skip_sliding: bool = False
+    #: what an MLA model's cache holds (kveval.memory.arch): ``latent`` (c_kv and k_pe, as engines store them: the
+    #: key spec quantizes c_kv, the value spec k_pe) or ``decompressed`` (per-head K/V as attention sees them;
+    #: emulation only). Other models ignore it.
+    mla: str = "latent"
+    #: the attention designs the system a preset is named after supports (``kveval.memory.fit.DESIGNS``: ``gqa``,
+    #: ``sliding``, ``chunked``, ``state``, ``sinks``, ``mla`` or ``mla:RANK:ROPE``); empty: any design. A model
+    #: with a design outside them is refused in one line (``kveval.memory.fit.check_design``).
+    designs: tuple[str, ...] = ()
 
     def __post_init__(self):
         self._check_transforms()
@@ -195,6 +203,10 @@ class KVPolicy:
             out["transforms"] = [t.to_config() for t in self.transforms]
         if self.skip_sliding:
             out["skip_sliding"] = True
+        if self.mla != "latent":
+            out["mla"] = self.mla
+        if self.designs:
+            out["designs"] = list(self.designs)
         if self.layers:
             out["layers"] = {
                 o.selector: {k: s.to_dict() for k, s in (("key", o.key), ("value", o.value)) if s is not None}
@@ -301,21 +313,25 @@ class KVPolicy:
         """Whether any spec of the policy reads the scales file."""
         return any(self.uses_static(s) for s in self.all_specs())
 
-    def check_model(self, num_layers: int, head_dim: int) -> None:
-        """Errors that need the model's shape: layer selectors in range, group sizes that divide head_dim, transforms
-        that cannot act on head_dim (``KVTransform.check_head_dim``)."""
+    def check_model(self, num_layers: int, head_dim: int, value_dim: int | None = None, note: str = "") -> None:
+        """Errors that need the model's shape: layer selectors in range, group sizes that divide the width of what
+        each spec quantizes (``head_dim`` for keys, ``value_dim``, default ``head_dim``, for values), transforms
+        that cannot act on it (``KVTransform.check_head_dim``). ``note`` ends the error line (what the widths are,
+        on a model where they are not the head dimension)."""
         for o in self.layers:
             layers_of(o.selector, num_layers)
-        for spec in self.all_specs():
+        dims = {"key": head_dim, "value": head_dim if value_dim is None else value_dim}
+        for kind, spec in self.kind_specs():
             try:
-                spec.check_head_dim(head_dim)
+                spec.check_head_dim(dims[kind])
             except ValueError as exc:
-                raise KvevalError(f"policy '{self.name}': {exc}") from None
+                raise KvevalError(f"policy '{self.name}': {exc}{note}") from None
         for t in self.transform_sequence():
-            try:
-                t.check_head_dim(head_dim)
-            except ValueError as exc:
-                raise KvevalError(f"policy '{self.name}': transform '{t.name}': {exc}") from None
+            for dim in sorted(set(dims.values())):
+                try:
+                    t.check_head_dim(dim)
+                except ValueError as exc:
+                    raise KvevalError(f"policy '{self.name}': transform '{t.name}': {exc}{note}") from None
 
     def describe(self) -> str:
         """A one-line human description, e.g. ``K int4 asym g64 (fp16 scales) / V int8 ..., residual 128 (block)``."""

@@ -241,6 +241,71 @@ POLICY_PRESETS: dict[str, tuple[dict, str]] = {
 }
 
 
+# Issue #29: caches the anchors ship (docs/engines.md). transformers 5.24 QuantizedCache(backend="fp8")
+# (Fp8QuantizedLayer: per-tensor E4M3 scale amax/448 taken from the first call, the prompt, which itself reads full
+# precision; later tokens quantized with it at once); SGLang 0.5.23's nvfp4 (FlashInfer nvfp4_kv_quantize, the
+# trtllm_mha backend on SM100: Q cast to E4M3 with q_scale 1.0, the prompt written to the cache before it is read)
+# and mxfp8 (FA4); TensorRT-LLM's NVFP4 KV cache (its cvt_warp_fp16_to_fp4, as vLLM's nvfp4)
+POLICY_PRESETS.update({
+    "hf_fp8": (
+        {"spec": "fp8_e4m3_tensor", "scales": "auto", "prefill": "fp"},
+        "transformers 5.24 QuantizedCache(backend='fp8'): E4M3 with one fp32 scale amax/448 per layer and K/V (transformers takes it from the prompt; kveval calibrates it: scales: auto), the prompt reads full precision, every later token is quantized as it is stored",
+    ),
+    "sglang_nvfp4": (
+        {"spec": "nvfp4_flashinfer", "prefill": "quantized", "transforms": [{"name": "query_fp8", "scale": 1.0}]},
+        "SGLang 0.5.23 --kv-cache-dtype nvfp4 on SM100 (trtllm_mha, FlashInfer nvfp4_kv_quantize): E2M1, E4M3 scale per 16, fp32 global scale = the checkpoint's k/v_scale x6 (1.0 without), query cast to E4M3, prompt reads the quantized cache",
+    ),
+    "sglang_mxfp8": (
+        {"spec": "mxfp8", "prefill": "quantized"},
+        "SGLang 0.5.23 --kv-cache-dtype mxfp8 (FA4 backend): E4M3 per 32 with an E8M0 scale 2^ceil(log2(amax/448)); prompt reads the quantized cache (FA4 also rounds the query to MXFP8: not reproduced)",
+    ),
+    "trtllm_nvfp4": (
+        {"spec": "nvfp4", "prefill": "quantized"},
+        "TensorRT-LLM NVFP4 KV cache (ModelOpt kv_cache_quant_algo NVFP4, PyTorch backend): E2M1, E4M3 scale per 16, fp32 kv_scales = the checkpoint's k/v_scale (1.0 without); prompt reads the quantized cache (assumed)",
+    ),
+})
+
+
+# vLLM's DeepSeek MLA latent caches (vllm-project/vllm: csrc/libtorch_stable/cache_kernels.cu @37cb21c
+# concat_and_cache_ds_mla_kernel; csrc/libtorch_stable/nvfp4_ds_mla_cache_kernels.cu @03b6016; the layouts in
+# vllm/v1/attention/backends/mla/flashmla_sparse.py). One 656- or 352-byte entry per token and layer: the key spec
+# quantizes the latent c_kv (512), the value spec the RoPE part k_pe (64); the prompt reads the quantized cache
+# (the sparse backend gathers and upconverts the cache for prefill and decode alike)
+POLICY_PRESETS.update({
+    "vllm_fp8_ds_mla": (
+        {"key": "fp8_e4m3_g128", "value": "none", "prefill": "quantized", "designs": ["mla:512:64"]},
+        "vLLM --kv-cache-dtype fp8_ds_mla (DeepSeek MLA, 656 B/token/layer): the 512-wide latent in 4 FP8 E4M3 tiles of 128 with an fp32 scale amax/448 each, the 64 RoPE values kept in bf16; prompt reads the quantized cache",
+    ),
+    "vllm_nvfp4_ds_mla": (
+        {"key": "nvfp4_ds_mla", "value": "fp8_e4m3", "prefill": "quantized", "designs": ["mla:512:64"]},
+        "vLLM --kv-cache-dtype nvfp4_ds_mla (DeepSeek MLA, SM100, 352 B/token/layer): the latent in E2M1 per 16 with an E4M3 scale max(amax/6, 2^-9) rounded up, the RoPE values cast to E4M3 unscaled; prompt reads the quantized cache",
+    ),
+})
+
+#: the attention designs (kveval.memory.fit.DESIGNS) that the system a preset is named after supports, where it
+#: does not support them all: a model with another design is refused in one line. llama.cpp caches an MLA latent
+#: as one [c_kv ; k_pe] K row (its presets here model per-head K/V); transformers' QuantizedCache refuses every
+#: layer type but full attention (cache_utils.py QuantizedCache.__init__); vLLM's FP8 FlashAttention-3 path, its
+#: nvfp4 / per-token-head / TurboQuant caches, TensorRT-LLM's and SGLang's presets are for per-head K/V (vLLM has
+#: separate MLA cache dtypes, above)
+_PER_HEAD = ["gqa", "sliding", "chunked", "state", "sinks"]
+_QUANTIZED_CACHE = ["gqa", "mla", "sinks"]
+PRESET_DESIGNS: dict[str, list[str]] = {
+    **{name: _PER_HEAD for name in POLICY_PRESETS if name.startswith("llamacpp_")},
+    **{name: _QUANTIZED_CACHE for name in ("hf_quanto_int4", "hf_quanto_int2", "hf_hqq_int4", "hf_hqq_int2",
+                                           "hf_fp8")},
+    "vllm_fp8_fa3": ["gqa", "sliding", "chunked", "state"],  # kveval's FA3 arithmetic refuses sinks (s_aux)
+    **{name: _PER_HEAD for name in ("vllm_nvfp4", "vllm_nvfp4_4over6", "vllm_int8_per_token_head",
+                                    "vllm_fp8_per_token_head", "vllm_int4_per_token_head", "vllm_turboquant_k8v4",
+                                    "vllm_turboquant_4bit_nc", "vllm_turboquant_k3v4_nc", "vllm_turboquant_3bit_nc",
+                                    "trtllm_int8", "trtllm_nvfp4", "sglang_fp4_e2m1", "sglang_nvfp4",
+                                    "sglang_mxfp8")},
+}
+for _name, _designs in PRESET_DESIGNS.items():
+    if _name in POLICY_PRESETS and isinstance(POLICY_PRESETS[_name][0], dict):
+        POLICY_PRESETS[_name][0].setdefault("designs", list(_designs))
+
+
 def policy_names() -> list[str]:
     """Every name ``KVPolicy.preset`` accepts: policy presets, then QuantSpec presets."""
     return list(POLICY_PRESETS) + [n for n in preset_names() if n not in POLICY_PRESETS]

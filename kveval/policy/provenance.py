@@ -110,6 +110,12 @@ PRESET_CHECKS: dict[str, Check] = {
         "int4_per_token_head.py)",
         "crafted rows by hand from its kernels (rounding, scale floor, zero point in the scale's low bits, seeded "
         "Hadamard signs); float64 emulation equals the real cache", _TOKEN_HEAD) for t in ("int8", "fp8", "int4")},
+    **{f"vllm_{t}_ds_mla": Check(
+        "reference", f"vLLM {t}_ds_mla kernels (vllm-project/vllm csrc/libtorch_stable/cache_kernels.cu @37cb21c, "
+        "nvfp4_ds_mla_cache_kernels.cu @03b6016; tests/ds_mla_reference.py, written from them)",
+        "the reference's 656- / 352-byte entries written and read back bit for bit against kveval's codes on "
+        "random and crafted latents; tiny DeepSeek-V3 (512 + 64 latent): float64 emulation equals the real cache, "
+        "bill = entry bytes", "tests/test_ds_mla.py") for t in ("fp8", "nvfp4")},
     "vllm_fp8": Check(
         "documented", "vLLM --kv-cache-dtype fp8 (E4M3, k/v_scale 1.0 without checkpoint scales)",
         "FP8 E4M3 saturating cast with a unit scale; the cast itself is tested bit for bit, not vLLM"),
@@ -120,6 +126,34 @@ PRESET_CHECKS: dict[str, Check] = {
         "documented", "TensorRT-LLM kv_cache_dtype int8 with calibrated scaling factors",
         "INT8 per layer and K/V from calibration; TensorRT-LLM keeps one factor for K and V together"),
 }
+
+
+# Issue #29: transformers' fp8 cache, SGLang's nvfp4 and mxfp8, TensorRT-LLM's NVFP4 (kveval/parity/hf_fp8.py,
+# kveval/quant/formats/mxfp8.py, nvfp4_flashinfer.py)
+_ENGINES29 = "tests/test_formats_engines.py"
+PRESET_CHECKS.update({
+    "hf_fp8": Check(
+        "system", "transformers 5.24 QuantizedCache(backend='fp8') (Fp8QuantizedLayer)",
+        "kveval's scales from the same prompt; tiny float32 Llama, prompts 1 and 7: emulation within 5e-6 of "
+        "transformers' logits, the real cache within 1e-6 (prompts of 2+ tokens); builtin model, 128-token prompt, "
+        "160 ids, kveval's real cache: KL(transformers ‖ kveval) <= 10% of transformers' KLD (measured 0)",
+        "tests/parity/test_hf_fp8.py"),
+    "sglang_nvfp4": Check(
+        "reference", "SGLang 0.5.23 NVFP4KVCacheMethod with FlashInfer @0c33fb6 nvfp4_kv_quantize "
+        "(csrc/fp4_kv_quantization.cu)",
+        "random blocks against the kernel's float32 arithmetic written out in numpy at four global scales; the SM100 "
+        "loader's x6 on checkpoint scales; float64 emulation equals the real cache", _ENGINES29),
+    "sglang_mxfp8": Check(
+        "reference", "SGLang 0.5.23 mxfp8_quant_store_kv.py (_mxfp8_quant_store_qkv_kernel)",
+        "crafted and random blocks against the Triton kernel in scalar Python (E8M0 byte, E4M3 rounding, the 1e-30 "
+        "floor); float64 emulation equals the real cache", _ENGINES29),
+    "trtllm_nvfp4": Check(
+        "documented", "TensorRT-LLM NVFP4 KV cache (features/quantization.html; kv_scales loading read in "
+        "tensorrt_llm/_torch/modules/linear.py)",
+        "vLLM's nvfp4 arithmetic (TensorRT-LLM's cvt_warp_fp16_to_fp4, assumed for its attention kernels' KV write, "
+        "not read); kv_scales = the checkpoint's k/v scales as loaded, 1.0 without; the prompt reading the "
+        "quantized cache assumed"),
+})
 
 
 def check_of(name: str) -> Check | None:

@@ -82,6 +82,11 @@ PRESETS: dict[str, tuple[QuantSpec, str]] = {
     "fp4_mx_block16": (QuantSpec(format="fp4_mx_block16", bits=4, granularity="group", group_size=16,
                                  scale_dtype="e8m0"),
                        "SGLang FP4 (fp4_e2m1 / fp4_mx_block16): E2M1 per 16, scale 2^ceil(log2(amax/6)), ties up"),
+    # vLLM's DeepSeek MLA latent caches (kveval/quant/formats/nvfp4_ds_mla.py; policies vllm_*_ds_mla)
+    "fp8_e4m3_g128": (QuantSpec(format="fp8_e4m3", bits=8, granularity="group", group_size=128, scale_dtype="float32"),
+                      "FP8 E4M3 per 128 with an fp32 scale amax/448 (vLLM fp8_ds_mla's latent tiles)"),
+    "nvfp4_ds_mla": (QuantSpec(format="nvfp4_ds_mla", bits=4, granularity="group", group_size=16, scale_dtype="e4m3"),
+                     "vLLM nvfp4_ds_mla latent: E2M1 per 16, E4M3 scale max(amax/6, 2^-9) rounded up, no global scale"),
     "int8_per_token_head": (QuantSpec(format="int8_per_token_head", bits=8, scale_dtype="float32"),
                             "vLLM 0.33.0 int8_per_token_head: symmetric, fp32 scale max(amax/127, 1e-6), round half away"),
     "fp8_per_token_head": (QuantSpec(format="fp8_per_token_head", bits=8, scale_dtype="float32"),
@@ -141,4 +146,19 @@ PRESETS.update({
                 f"KVQuant nuq{b}: {b}-bit non-uniform codebook (k-means when calibrated, else NormalFloat), "
                 "per token over all kv heads, fp32 max/min")
     for b in (4, 3, 2)
+})
+
+
+# Issue #29: the FP8 per-tensor scale a checkpoint (or a calibration) supplies, transformers' QuantizedCache(backend=
+# "fp8") and the FP4/FP8 caches of SGLang (kveval/quant/formats/mxfp8.py, nvfp4_flashinfer.py)
+PRESETS.update({
+    "fp8_e4m3_tensor": (QuantSpec(format="fp8_e4m3", granularity="tensor", scale_dtype="float32"),
+                        "FP8 E4M3, one static fp32 scale per tensor (layer and K/V); needs static scales (a "
+                        "checkpoint's k/v_scale, kveval calibrate)"),
+    "mxfp8": (QuantSpec(format="mxfp8", bits=8, granularity="group", group_size=32, scale_dtype="e8m0"),
+              "MXFP8 as SGLang 0.5.23 stores it: E4M3 per 32 with an E8M0 scale 2^ceil(log2(amax/448))"),
+    "nvfp4_flashinfer": (QuantSpec(format="nvfp4_flashinfer", bits=4, granularity="tensor", scale_dtype="float32",
+                                   static_scale=1.0),
+                         "NVFP4 as FlashInfer's nvfp4_kv_quantize writes it (SGLang SM100): E2M1, E4M3 scale per 16, "
+                         "fp32 global scale 1.0 (no checkpoint scales)"),
 })

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.console import Group, RenderableType
 from rich.table import Table
 
 from kveval.results import BASELINE
@@ -31,14 +32,22 @@ def part_for_summary(metrics: dict, part: dict) -> dict:
 
 
 
-def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> Table:
+#: perplexity columns left empty on the baseline's row (all but bits/elem and PPL)
+_BLANK = 6
+
+
+def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> RenderableType:
     """The closing console table: one row per policy against the threshold; perplexity columns when the run
-    measured perplexity, needle columns when it ran the needle task. ``label``: the task entry the metrics are of,
-    in the title (a later entry of a kind already in the config, ``tasks[1] (perplexity)``)."""
+    measured perplexity (with llama-perplexity's 99% KLD and same top p, and the minimum detectable ΔPPL beside
+    the verdict), needle columns when it ran the needle task; then, when the policies have them, the table of
+    llama-perplexity's statistics (:func:`llama_table`). ``label``: the task entry the metrics are of, in the
+    title (a later entry of a kind already in the config, ``tasks[1] (perplexity)``)."""
     thr = cfg.threshold
     title = f"{cfg.name}{' ' + label if label else ''}: {metrics['model']}, threshold ΔPPL <= {thr.delta_ppl_pct}%" + (
         f", KLD <= {thr.kld}" if thr.kld is not None else ""
     )
+    if any(m.get("delta_ppl_pct_mde") is not None for m in (metrics.get("policies") or {}).values()):
+        title += "; MDE: the smallest ΔPPL % this run detects (alpha 0.05, power 0.8)"
     base = metrics.get(BASELINE, {})
     rows = [(BASELINE, base), *metrics.get("policies", {}).items()]
     has = {key: any(m.get(key) is not None for _, m in rows) for key in ("ppl", "needle_accuracy")}
@@ -49,7 +58,9 @@ def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> Table:
             ("ΔPPL %", lambda m: _fmt(m.get("delta_ppl_pct"), "+.3f")),
             ("KLD", lambda m: _fmt(m.get("kld_mean"), ".3g")),
             ("KLD CI95", lambda m: "-" if not m.get("kld_ci95") else f"[{m['kld_ci95'][0]:.3g}, {m['kld_ci95'][1]:.3g}]"),
-            ("top-1", lambda m: _fmt(m.get("top1_agree"), ".4f")),
+            ("KLD 99%", lambda m: _fmt(_llama(m).get("kld_p99"), ".3g")),
+            ("same top p %", lambda m: _same_top(m)),
+            ("MDE %", lambda m: _fmt(m.get("delta_ppl_pct_mde"), ".2f")),
         ]
     if has["needle_accuracy"]:
         cols += [
@@ -66,8 +77,60 @@ def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> Table:
         style = {"pass": "green", "fail": "red"}.get(verdict, "yellow")
         cells = [fn(m) for _, fn in cols]
         if name == BASELINE and has["ppl"]:
-            cells[1:6] = [cells[1], "", "", "", ""]
+            cells[2:2 + _BLANK] = [""] * _BLANK
+        if verdict == "inconclusive" and m.get("more_tokens_to_decide") is not None:
+            verdict += f" +{m['more_tokens_to_decide']:,} tok"
         table.add_row(name, *cells, f"[{style}]{verdict}[/]" if verdict else "")
+    extra = llama_table(metrics, cfg, label)
+    return table if extra is None else Group(table, extra)
+
+
+def _llama(m: dict) -> dict:
+    return m.get("llama_perplexity") or {}
+
+
+def _same_top(m: dict) -> str:
+    """llama-perplexity's same top p with its uncertainty (percent); the top-1 agreement of an older run (no
+    ``llama_perplexity``) in percent, without one."""
+    if _llama(m).get("same_top_p_pct") is not None:
+        return _pm(_llama(m), "same_top_p_pct", ".2f")
+    return _fmt(None if m.get("top1_agree") is None else 100 * m["top1_agree"], ".2f")
+
+
+def _pm(stats: dict, key: str, spec: str, unc_spec: str | None = None) -> str:
+    """``value ± uncertainty`` of a llama-perplexity statistic, ``-`` when absent."""
+    v, u = stats.get(key), stats.get(f"{key}_unc")
+    if v is None:
+        return "-"
+    return format(v, spec) + ("" if u is None else f" ± {format(u, unc_spec or spec)}")
+
+
+def llama_table(metrics: dict, cfg: Any, label: str | None = None) -> Table | None:
+    """The headline statistics of llama-perplexity per policy (metrics.json's ``llama_perplexity``; computed as
+    llama.cpp computes them, over the tokens this run scored), or None when no policy has them."""
+    rows = [(n, _llama(m or {})) for n, m in (metrics.get("policies") or {}).items()]
+    rows = [(n, lp) for n, lp in rows if lp]
+    if not rows:
+        return None
+    from rich import box
+
+    table = Table(title=f"{cfg.name}{' ' + label if label else ''}: llama-perplexity statistics (as llama.cpp "
+                        "computes them, over the tokens scored here)", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    cols = [("tokens", lambda lp: _fmt(lp.get("tokens"), ",d")),
+            ("ln(PPL_Q/PPL_base)", lambda lp: _pm(lp, "ln_ppl_ratio", ".3g", ".2g")),
+            ("mean KLD", lambda lp: _pm(lp, "kld_mean", ".3g", ".2g")),
+            ("median", lambda lp: _fmt(lp.get("kld_median"), ".3g")),
+            ("99%", lambda lp: _fmt(lp.get("kld_p99"), ".3g")),
+            ("99.9%", lambda lp: _fmt(lp.get("kld_p99_9"), ".3g")),
+            ("max KLD", lambda lp: _fmt(lp.get("kld_max"), ".3g")),
+            ("mean Δp %", lambda lp: _pm(lp, "delta_p_mean_pct", ".3f")),
+            ("RMS Δp %", lambda lp: _pm(lp, "delta_p_rms_pct", ".3f"))]
+    table.add_column("policy", justify="left", no_wrap=True)
+    for c, _ in cols:
+        table.add_column(c, justify="right", no_wrap=True)
+    for name, lp in rows:
+        table.add_row(name, *[fn(lp) for _, fn in cols])
     return table
 
 

@@ -298,7 +298,7 @@ def policy_bars(res: RunResults) -> Figure | None:
     ax_p, ax_k = fig.subplots(1, 2)
     x = np.arange(len(df))
     names = list(df["policy"])
-    vcol = {"pass": "#009E73", "fail": "#D55E00", "within_noise": "#56B4E9"}
+    vcol = {"pass": "#009E73", "fail": "#D55E00", "within_noise": "#56B4E9", "inconclusive": "#F0E442"}
     colors = [vcol.get(v, "#999999") for v in df["verdict"]]
     hatches = ["//" if v == "fail" else "" for v in df["verdict"]]
     bars = ax_p.bar(x, df["delta_ppl_pct"], color=colors, edgecolor="black", lw=0.6)
@@ -674,11 +674,86 @@ def weights_x_kv(res: RunResults) -> Figure | None:
     return fig
 
 
+# ------------------------------------------------------------------------------------------- per-token KLD
+
+
+def token_klds(res: RunResults) -> dict[str, np.ndarray]:
+    """Per policy, every scored token's KLD against the baseline (float32, the ``kld_values`` of its perplexity
+    records: the first perplexity entry, checkpoint weights), in window order; policies whose records have none
+    (an older kveval) are left out."""
+    rec = res.records
+    if rec.empty or "kld_values" not in rec or "key" not in rec:
+        return {}
+    mine = rec[(rec.get("task") == "perplexity") & rec["key"].astype(str).str.fullmatch(r"perplexity/w\d+/[^/]+")]
+    if "weights" in mine:
+        mine = mine[mine["weights"].isna()]
+    out = {}
+    for name in res.policies:
+        g = mine[mine["policy"] == name]
+        if g.empty or not all(isinstance(v, list) for v in g["kld_values"]):
+            continue
+        g = g.sort_values("window")
+        out[name] = np.concatenate([np.asarray(v, dtype=np.float32) for v in g["kld_values"]])
+    return out
+
+
+def kld_distribution(res: RunResults) -> Figure | None:
+    """The distribution of the per-token KLD of each policy: a histogram on logarithmic bins (share of tokens per
+    bin) and the tail of the cumulative distribution (the share of tokens above each KLD, logarithmic: where the
+    rare bad tokens show), with each policy's 99th percentile marked (llama-perplexity's ``99.0% KLD``, from
+    metrics.json) where the tail crosses 1%. Tokens at KLD 0 (identical distributions) sit at the lowest bin."""
+    klds = token_klds(res)
+    if not klds:
+        return None
+    style = _style([BASELINE, *res.policies])
+    positive = np.concatenate([v[v > 0] for v in klds.values()])
+    if positive.size == 0:
+        return None
+    lo = max(float(positive.min()), 1e-9)
+    hi = max(float(positive.max()), lo * 10)
+    edges = np.logspace(math.log10(lo), math.log10(hi), 60)
+    fig = Figure(figsize=(11, 4.7), layout="constrained")
+    ax_h, ax_c = fig.subplots(1, 2)
+    policies = (res.metrics or {}).get("policies") or {}
+    for i, (name, v) in enumerate(klds.items()):
+        c, m = style.get(name, (color(i), marker(i)))
+        ls = ["-", "--", "-.", ":"][i % 4]
+        x = np.clip(v.astype(np.float64), lo, hi)
+        share, _ = np.histogram(x, bins=edges)
+        centers = np.sqrt(edges[:-1] * edges[1:])
+        ax_h.plot(centers, share / max(len(x), 1), color=c, ls=ls, marker=m, markevery=6, mec="black", mew=0.5,
+                  label=name)
+        srt = np.sort(x)
+        above = 1.0 - np.arange(1, len(srt) + 1) / len(srt)  # share of tokens with a larger KLD
+        keep = above > 0
+        ax_c.plot(srt[keep], above[keep], color=c, ls=ls, label=name)
+        p99 = ((policies.get(name) or {}).get("llama_perplexity") or {}).get("kld_p99")
+        if p99 is not None and p99 > 0:
+            ax_c.axvline(p99, color=c, ls=":", lw=1)
+            ax_c.plot([p99], [0.01], marker=m, color=c, mec="black", mew=0.5)
+    for ax in (ax_h, ax_c):
+        ax.set_xscale("log")
+        ax.set_xlabel("per-token KL(P_baseline ‖ P_policy) (nats)")
+        ax.grid(True, which="major", alpha=0.3)
+    ax_h.set_ylabel("share of tokens per bin")
+    ax_h.set_title("Histogram (logarithmic bins)")
+    ax_c.set_ylabel("share of tokens with KLD > x")
+    ax_c.set_yscale("log")
+    ax_c.axhline(0.01, color=BASELINE_COLOR, lw=0.8, ls="--")
+    ax_c.set_title("Tail (dotted: 99th percentile, where the tail crosses 1%)")
+    handles, labels = ax_h.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 7), fontsize=8)
+    fig.suptitle(f"{res.name}: per-token KL divergence")
+    return fig
+
+
 #: The per-run figures of the report: file stem -> function.
 RUN_PLOTS = {
     "quality_vs_memory": quality_vs_memory,
     "policy_quality": policy_bars,
     "by_position": by_position,
+    "kld_distribution": kld_distribution,
     "memory": memory_bars,
     "layer_errors": layer_errors,
     "needle_grid": needle_heatmaps,
@@ -688,5 +763,6 @@ RUN_PLOTS = {
 
 __all__ = [
     "quality_vs_memory", "policy_bars", "by_position", "memory_bars", "layer_errors", "needle_heatmaps",
-    "sensitivity_heatmap", "bits_per_layer", "weights_x_kv", "pareto_front", "save", "RUN_PLOTS", "OKABE_ITO",
+    "sensitivity_heatmap", "bits_per_layer", "weights_x_kv", "kld_distribution", "token_klds", "pareto_front", "save",
+    "RUN_PLOTS", "OKABE_ITO",
 ]

@@ -35,6 +35,9 @@ CAPTIONS = {
                       "threshold, orange (hatched) fails.",
     "by_position": "Damage by token position inside the evaluation window: loss increase over the baseline and "
                    "KLD per position bin.",
+    "kld_distribution": "Per-token KL divergence against the baseline: the share of scored tokens per logarithmic "
+                        "bin, and the tail of the cumulative distribution (the share of tokens above each KLD) "
+                        "with each policy's 99th percentile (dotted): the rare bad tokens a mean hides.",
     "memory": "KV-cache bytes per token, split into codes, scales (+ zero points) and full-precision tokens.",
     "layer_errors": "Relative reconstruction error of keys and values per layer (log scale); policies that "
                     "share a spec for a tensor draw the same line there (one hides the other).",
@@ -189,7 +192,11 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
     crit = [f"ΔPPL ≤ {thr['delta_ppl_pct']:g}%" if thr.get("delta_ppl_pct") is not None else None,
             f"KLD ≤ {thr['kld']:g}" if thr.get("kld") is not None else None]
     crit_s = " and ".join(c for c in crit if c) or "no threshold configured"
-    b.append(Block("table", tables.verdict_table(r), caption=f"Policies against the threshold ({crit_s})"))
+    b.append(Block("table", tables.verdict_table(r), caption=f"Policies against the threshold ({crit_s}); MDE: "
+                                                             "the smallest ΔPPL the run detects (alpha 0.05, power "
+                                                             "0.8); inconclusive: the threshold lies below it and "
+                                                             "the measurement within one MDE of the threshold"))
+    b.extend(_llama_blocks(r, sub))
     for label in dict.fromkeys(r.task_entries["task"]):
         b.append(Block("h", f"Task {label}: {_task_words(r, str(label))}", sub))
         b.append(Block("table", tables.task_entry_table(r, str(label)),
@@ -224,6 +231,24 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
              "# rebuild this report", f"kveval report {r.path}"]
     b.append(Block("code", "\n".join(lines)))
     return b
+
+
+def _llama_blocks(r: RunResults, level: int) -> list[Block]:
+    """llama-perplexity's statistics per policy (metrics.json's ``llama_perplexity``), as the tool prints them."""
+    entries = {n: (m or {}).get("llama_perplexity") for n, m in ((r.metrics or {}).get("policies") or {}).items()}
+    entries = {n: e for n, e in entries.items() if e}
+    if not entries:
+        return []
+    tokens = sorted({int(e.get("tokens") or 0) for e in entries.values()})
+    return [Block("h", "llama-perplexity statistics", level),
+            Block("p", "The statistics llama.cpp's llama-perplexity --kl-divergence prints, computed as it computes "
+                       "them (llama.cpp 0c1e570, tools/perplexity/perplexity.cpp), over every token this run scored "
+                       f"({', '.join(f'{t:,}' for t in tokens)}; llama-perplexity itself scores the second half of "
+                       "each chunk, so its numbers on the same text cover other tokens: kveval parity llamacpp "
+                       "--tool perplexity compares on the tool's tokens), against the exact full-precision "
+                       "distribution. ± is llama.cpp's uncertainty (tokens taken as independent); Δp = p(target) "
+                       "under the policy minus under the baseline."),
+            Block("table", tables.llama_stats_table(entries), caption="llama-perplexity's statistics per policy")]
 
 
 def _weights_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block]:
@@ -334,7 +359,7 @@ def reproduce_command(env: dict) -> str | None:
 
 def _plot_title(stem: str) -> str:
     return {"quality_vs_memory": "Quality vs memory", "policy_quality": "Quality per policy",
-            "by_position": "By token position", "memory": "Memory", "layer_errors": "Per-layer K/V error",
+            "by_position": "By token position", "kld_distribution": "Per-token KL divergence", "memory": "Memory", "layer_errors": "Per-layer K/V error",
             "needle_grid": "Needle in a haystack", "sensitivity_grid": "Layer × K/V sensitivity",
             "bits_per_layer": "Bits per layer"}.get(stem, stem)
 
@@ -380,6 +405,10 @@ def _overview(r: RunResults) -> list[str]:
         items.append(f"Memory figures at {int(r.memory['context'].iloc[0])} tokens of context"
                      + (f", GPU memory {mem['gpu_memory']}" if mem.get("gpu_memory") else ""))
     items.append("Policies: " + ", ".join(r.policies) + " (specifications in the verdict table)")
+    scales = r.env.get("scales") if isinstance(r.env, dict) else None
+    for name, source in (scales.items() if isinstance(scales, dict) else ()):
+        if isinstance(source, dict) and source.get("describe"):  # env.json's scales: where they came from
+            items.append(f"Static scales of {name}: {source['describe']}")
     when = _duration(r.env)
     if when:
         items.append(when)
@@ -656,6 +685,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 td.pass { background: #d9f2e6; font-weight: 600; }
 td.fail { background: #fbe0d2; font-weight: 600; }
 td.within_noise { background: #dcecf7; font-weight: 600; }
+td.inconclusive { background: #fdf3c8; font-weight: 600; }
 figure { margin: 1em 0 1.6em; }
 figure img { max-width: 100%; height: auto; border: 1px solid #ddd; }
 figcaption { font-size: .9em; color: #444; }

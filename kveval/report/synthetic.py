@@ -97,6 +97,7 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
             m["needle_answer_logprob"] = float(np.mean([c["logprob"] for c in cells]))
             m["needle_token_acc"] = float(np.mean([c["token_acc"] for c in cells]))
         metrics_pols[pname] = m
+    tokens = _per_token(metrics_pols, seed)
     metrics = {"run": name, "model": "builtin:tiny-llama", BASELINE: baseline, "policies": metrics_pols,
                "memory": {"arch": arch.to_dict(), "context": CONTEXT, "gpu_memory": None}}
     if sensitivity:
@@ -125,9 +126,32 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
         with open(path / RECORDS_FILE, "w") as fh:
             for w in range(8):
                 for p in [BASELINE, *pols]:
-                    fh.write(json.dumps({"key": f"perplexity/w{w}/{p}", "task": "perplexity", "window": w,
-                                         "policy": p, "n_tokens": 511, "nll_sum": 511 * 2.7}) + "\n")
+                    rec = {"key": f"perplexity/w{w}/{p}", "task": "perplexity", "window": w, "policy": p,
+                           "n_tokens": 511, "nll_sum": 511 * 2.7}
+                    if p in tokens:
+                        rec["kld_values"] = tokens[p][0][w].tolist()
+                        rec["p_diff_values"] = tokens[p][1][w].tolist()
+                    fh.write(json.dumps(rec) + "\n")
     return path
+
+
+def _per_token(policies: dict, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per policy, invented per-token KLD (log-normal around the policy's mean, heavy-tailed as real ones) and
+    Δp for 8 windows of 511 tokens (``[8, 511]`` float32 each), and, in place, each policy's ``llama_perplexity``
+    statistics of them (:func:`kveval.stats.llama_perplexity_stats`; the NLLs from the policy's perplexity)."""
+    from kveval.stats import llama_perplexity_stats, llama_sums
+
+    rng = np.random.default_rng(seed + 1)  # its own stream: the other invented numbers stay as they were
+    out = {}
+    for pname, m in policies.items():
+        kld = (m["kld_mean"] * rng.lognormal(-0.5, 1.0, size=(8, 511))).astype(np.float32)
+        p_diff = (rng.standard_normal((8, 511)) * math.sqrt(m["kld_mean"]) / 2).astype(np.float32)
+        nll_base = rng.exponential(2.7, size=8 * 511)
+        nll = nll_base + kld.ravel() * 2
+        sums = llama_sums(nll, nll_base, kld.ravel(), p_diff.ravel(), (kld.ravel() < 2 * m["kld_mean"]) * 1.0)
+        m["llama_perplexity"] = llama_perplexity_stats(sums, kld.ravel(), p_diff.ravel())
+        out[pname] = (kld, p_diff)
+    return out
 
 
 __all__ = ["write_synthetic_run"]

@@ -14,11 +14,81 @@ from kveval.fileio import atomic_write_text
 from kveval.results import BASELINE, RunResults
 from kveval.results.read import TASK_ENTRY_COLUMNS
 
+#: Columns :func:`summary` adds to ``RunResults.summary`` from each policy's metrics: llama-perplexity's headline
+#: statistics (metrics.json's ``llama_perplexity``, Δp and same top p in percent) and the power fields
+SUMMARY_EXTRA = ["kld_median", "kld_p99", "kld_p99_9", "kld_max", "delta_p_mean_pct", "delta_p_rms_pct",
+                 "same_top_p_pct", "same_top_p_pct_unc", "delta_ppl_pct_mde", "kld_mde", "more_tokens_to_decide"]
+_POWER = ("delta_ppl_pct_mde", "kld_mde", "more_tokens_to_decide")
+
+
+def _policy_metrics(metrics: dict) -> dict[str, dict]:
+    """Policy name -> its metrics entry (the baseline's too) of a metrics document (or of a later task entry)."""
+    out = {BASELINE: metrics.get(BASELINE) or {}}
+    out.update({n: m or {} for n, m in (metrics.get("policies") or {}).items()})
+    return out
+
+
+def _extra_columns(df: pd.DataFrame, entries: dict[str, dict]) -> pd.DataFrame:
+    """``df`` (summary rows, one per policy) with the :data:`SUMMARY_EXTRA` columns read from ``entries``."""
+    out = df.copy()
+    for col in SUMMARY_EXTRA:
+        vals = []
+        for p in out["policy"]:
+            m = entries.get(str(p)) or {}
+            v = m.get(col) if col in _POWER else (m.get("llama_perplexity") or {}).get(col)
+            vals.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan)
+        out[col] = vals
+    return out
+
 
 def summary(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
-    """One row per (run, policy), the baseline first in each run: every column of ``RunResults.summary``."""
+    """One row per (run, policy), the baseline first in each run: every column of ``RunResults.summary``, then
+    :data:`SUMMARY_EXTRA` (NaN where a run has none: an older run, a policy without perplexity)."""
     runs = [runs] if isinstance(runs, RunResults) else list(runs)
-    return pd.concat([r.summary for r in runs], ignore_index=True)
+    return pd.concat([_extra_columns(r.summary, _policy_metrics(r.metrics or {})) for r in runs], ignore_index=True)
+
+
+def llama_perplexity_frame(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
+    """``tables/llama_perplexity.csv``: one row per (run, policy) with llama-perplexity's statistics (metrics.json's
+    ``llama_perplexity``: the keys of :data:`kveval.stats.LLAMA_STATS` and their ``_unc``), numbers; empty when no
+    policy has them."""
+    from kveval.stats import LLAMA_STATS
+
+    cols = ["tokens"] + [k for key, _, unc in LLAMA_STATS for k in ((key, f"{key}_unc") if unc else (key,))]
+    runs = [runs] if isinstance(runs, RunResults) else list(runs)
+    rows = []
+    for r in runs:
+        for name, m in _policy_metrics(r.metrics or {}).items():
+            lp = m.get("llama_perplexity") if isinstance(m, dict) else None
+            if lp:
+                rows.append({"run": r.name, "policy": name, **{c: lp.get(c) for c in cols}})
+    return pd.DataFrame(rows, columns=["run", "policy", *cols])
+
+
+def llama_stats_table(columns: dict[str, dict]) -> pd.DataFrame:
+    """llama-perplexity's summary as it prints it: one row per statistic (its label, in its order), one column per
+    entry of ``columns`` (name -> a ``llama_perplexity`` dict; e.g. policies, or the tool beside kveval), cells
+    ``value ± uncertainty``; KLD with 6 decimals, Δp and same top p in percent with 3, as the tool prints them."""
+    from kveval.stats import LLAMA_STATS
+
+    rows = []
+    for key, label, unc in LLAMA_STATS:
+        pct = key.endswith("_pct")
+        row = {"statistic": label + (" %" if pct else "")}
+        for name, stats in columns.items():
+            row[name] = _stat(stats or {}, key, unc)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _stat(stats: dict, key: str, unc: bool) -> str:
+    v = stats.get(key)
+    if not _ok(v):
+        return ""
+    spec = ".2f" if key == "cor_ln_ppl_pct" else ".3f" if key.endswith("_pct") else ".6f"
+    text = format(float(v), spec)
+    u = stats.get(f"{key}_unc") if unc else None
+    return text + (f" ± {format(float(u), spec)}" if _ok(u) else "")
 
 
 def verdict_table(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
@@ -40,7 +110,8 @@ def task_entry_table(res: RunResults, label: str) -> pd.DataFrame:
     """The verdict table (:func:`verdict_table`'s columns) of one later task entry of a run (``label``:
     ``tasks[1]``), from ``RunResults.task_entries``: the numbers of that entry only."""
     df = res.task_entries[res.task_entries["task"] == label].drop(columns=["task", "kind"])
-    return _verdict_rows(df.reset_index(drop=True), keep_run=False)
+    entry = ((res.metrics or {}).get("tasks") or {}).get(label) or {}
+    return _verdict_rows(_extra_columns(df.reset_index(drop=True), _policy_metrics(entry)), keep_run=False)
 
 
 def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
@@ -56,7 +127,10 @@ def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
             "PPL": _f(r["ppl"], ".3f"),
             "ΔPPL %": "" if base else _f(r["delta_ppl_pct"], "+.2f"),
             "KLD [95% CI]": kld,
+            "KLD 99%": "" if base else _g(r.get("kld_p99")),
             "top-1 agree": "" if base else _f(r["top1_agree"], ".3f"),
+            "same top p %": "" if base else _f(r.get("same_top_p_pct"), ".2f") + (
+                f" ± {_f(r.get('same_top_p_pct_unc'), '.2f')}" if _ok(r.get("same_top_p_pct_unc")) else ""),
             "bits/elem": _f(r["bits_per_element"], ".2f"),
             "bytes/token": _f(r["bytes_per_token"], ",.0f"),
             "compression": _f(r["compression_vs_fp16"], ".2f", suffix="×"),
@@ -64,7 +138,8 @@ def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
             "needle acc": _f(r["needle_accuracy"], ".2f"),
             "noise floor ΔPPL %": _f(r["noise_floor_ppl_pct"], ".2f", prefix="±"),
             "preset checked": "" if base else _checked(r["policy"]),
-            "verdict": r["verdict"],
+            "MDE ΔPPL %": "" if base else _f(r.get("delta_ppl_pct_mde"), ".2f"),
+            "verdict": _verdict_words(r["verdict"], r.get("more_tokens_to_decide")),
         }
         rows.append(row)
     out = pd.DataFrame(rows)
@@ -74,6 +149,14 @@ def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
     if not keep_run:
         keep = [c for c in keep if c != "run"]
     return out[keep]
+
+
+def _verdict_words(verdict, more) -> str:
+    """The verdict, and for ``inconclusive`` how many more scored tokens would decide it."""
+    text = "" if not _ok(verdict) else str(verdict)
+    if text == "inconclusive" and _ok(more):
+        text += f" (+{float(more):,.0f} tokens)"
+    return text
 
 
 def _checked(policy: str) -> str:
@@ -147,9 +230,27 @@ def ruler_table(res: RunResults) -> pd.DataFrame:
     out = pd.DataFrame(rows)
     verdicts = df[df["policy"] != BASELINE].groupby(["family", "policy"], sort=False)["verdict"].first()
     for name in names[1:] if names and names[0] == BASELINE else names:
-        out[f"{name} verdict"] = [verdicts.get((f, name), "") if i == 0 or out["family"].iloc[i - 1] != f else ""
+        out[f"{name} verdict"] = [_ruler_verdict(res, name, f, verdicts.get((f, name), ""))
+                                  if i == 0 or out["family"].iloc[i - 1] != f else ""
                                   for i, f in enumerate(out["family"])]
     return out
+
+
+def _ruler_verdict(res: RunResults, policy: str, family: str, verdict) -> str:
+    """A family's verdict with the minimum detectable drop at its worst length (score points) and, when
+    inconclusive, how many more samples per cell would decide it (metrics.json's ``ruler_families`` and
+    ``ruler_cells``; the verdict alone for a run that has none)."""
+    m = ((res.metrics or {}).get("policies") or {}).get(policy) or {}
+    fam = (m.get("ruler_families") or {}).get(family) or {}
+    cell = next((c for c in m.get("ruler_cells") or [] if c.get("family") == family
+                 and c.get("length") == fam.get("worst_length")), {})
+    text = str(verdict or "")
+    extra = []
+    if _ok(cell.get("drop_mde")):
+        extra.append(f"MDE {float(cell['drop_mde']):.1f}")
+    if text == "inconclusive" and _ok(fam.get("more_samples_to_decide")):
+        extra.append(f"+{int(fam['more_samples_to_decide']):,} samples")
+    return text + (f" ({', '.join(extra)})" if text and extra else "")
 
 
 def weights_frame(res: RunResults) -> pd.DataFrame:
@@ -248,9 +349,10 @@ def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
         "sensitivity": pd.concat([r.sensitivity for r in runs], ignore_index=True),
         "task_entries": task_entries(runs),
         "weights_x_kv": pd.concat([weights_frame(r) for r in runs], ignore_index=True),
+        "llama_perplexity": llama_perplexity_frame(runs),
     }
     for name, df in frames.items():
-        if df.empty and name in ("needle", "ruler", "sensitivity", "task_entries", "weights_x_kv"):
+        if df.empty and name in ("needle", "ruler", "sensitivity", "task_entries", "weights_x_kv", "llama_perplexity"):
             continue
         path = tables_dir / f"{name}.csv"
         atomic_write_text(path, csv_safe(df).to_csv(index=False))
@@ -317,7 +419,8 @@ def to_html(df: pd.DataFrame, caption: str | None = None) -> str:
         tds = []
         for col, v in zip(df.columns, row):
             text = _cell(v)
-            cls = f' class="{text}"' if col == "verdict" and text in ("pass", "fail", "within_noise") else (
+            word = text.split(" ")[0]
+            cls = f' class="{word}"' if col == "verdict" and word in ("pass", "fail", "within_noise", "inconclusive") else (
                 ' class="num"' if _looks_numeric(text) else "")
             tds.append(f"<td{cls}>{html.escape(text)}</td>")
         parts.append("<tr>" + "".join(tds) + "</tr>")
@@ -354,7 +457,7 @@ def _f(v, spec: str, prefix: str = "", suffix: str = "") -> str:
     return "" if not _ok(v) else f"{prefix}{format(float(v), spec)}{suffix}"
 
 
-__all__ = ["summary", "verdict_table", "task_entries", "task_entry_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
+__all__ = ["summary", "llama_perplexity_frame", "llama_stats_table", "SUMMARY_EXTRA", "verdict_table", "task_entries", "task_entry_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
            "md_cell", "csv_safe", "csv_safe_cell", "weights_frame", "weights_table", "WEIGHTS_COLUMNS", "ruler_table"]
 
 

@@ -263,8 +263,7 @@ def _arch(metrics: dict, config: dict):
     arch = (metrics.get("memory") or {}).get("arch")
     if isinstance(arch, dict):
         try:
-            return Arch(**{k: arch[k] for k in ("layers", "kv_heads", "head_dim") if k in arch},
-                        **{k: arch[k] for k in ("name", "params", "weight_bytes_per_param") if arch.get(k) is not None})
+            return Arch.from_dict(arch)  # every field: windows, layer kinds, MLA, state
         except CONFIG_ERRORS as exc:
             log.warning("kveval: metrics.json's memory.arch is not a shape this kveval reads (%s); the model's "
                         "named shape is used if it has one", _first(exc))

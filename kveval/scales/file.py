@@ -143,7 +143,12 @@ def save_scales(path: str | Path, ranges: dict[tuple[str, str], list[Ranges]], h
 
 
 def load_scales(path: str | Path) -> ScalesFile:
-    """Read a scales file; a missing or foreign file is one clear KvevalError."""
+    """Read a scales file; a missing or foreign file is one clear KvevalError. A model folder (``DIR`` or
+    ``DIR#ENGINE``) gives its checkpoint's KV scales as that engine loads them (:mod:`kveval.scales.checkpoint`)."""
+    from kveval.scales.checkpoint import is_checkpoint_target, load_checkpoint_scales
+
+    if is_checkpoint_target(path):
+        return load_checkpoint_scales(path)  # type: ignore[return-value]  (the same interface: qparams, ...)
     p = Path(path)
     if not p.is_file():
         what = "is not a file" if p.exists() else "does not exist"

@@ -41,6 +41,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("kveval/sweep/runner.py", "shell"):
         "each sweep run is [sys.executable, '-m', 'kveval', 'run', CONFIG, '--quiet', *flags]: a list (no shell), "
         "the interpreter's own path, a config file the sweep wrote, and the flags --overwrite / --allow-code",
+    ("kveval/parity/llama_perplexity.py", "shell"):
+        "llama.cpp's own llama-perplexity, built by scripts/build_llama_perplexity.sh into kveval's cache: argv lists "
+        "(no shell) of that binary's path, kveval's GGUF and base-file paths, integers and llama.cpp cache types "
+        "from its fixed table; and bash running that build script from kveval's own scripts/ folder",
 }
 
 

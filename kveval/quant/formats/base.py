@@ -48,7 +48,7 @@ SCALE_TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16
 #: `kveval.quant.primitives` from the tensor (or, for byte counts, from the element dtype given)
 MODEL_DTYPE = "model"
 #: block-scale encodings taken only by the formats that list them in their ``scale_dtypes`` (-> torch dtype)
-BLOCK_SCALE_DTYPES: dict[str, torch.dtype] = {"e8m0": torch.float8_e8m0fnu}
+BLOCK_SCALE_DTYPES: dict[str, torch.dtype] = {"e8m0": torch.float8_e8m0fnu, "e4m3": torch.float8_e4m3fn}
 SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", MODEL_DTYPE: "model-dtype"}
 NONFINITE = "non-finite values in input to quantize"
 

@@ -83,7 +83,7 @@ def quantized_layer_count(model, policy: KVPolicy) -> int:
 
     info = model_info(model)
     n, sliding = info["num_layers"], info["sliding_layers"]
-    return sum(1 for i in range(n) if not all(s.is_none for s in policy.specs_for_layer(i, n, sliding)))
+    return sum(1 for i in info["kv_layers"] if not all(s.is_none for s in policy.specs_for_layer(i, n, sliding)))
 
 
 @register_model("kveval")
@@ -135,11 +135,12 @@ class KVEvalLM(HFLM):
                 raise KvevalError("kveval lm-eval model: an already loaded model needs its tokenizer (tokenizer=...)")
             loaded = source
             self.kveval_name = getattr(source, "kveval_name", None) or getattr(source, "name_or_path", None)
-        from kveval.models import model_info
+        from kveval.memory.fit import check_design
+        from kveval.models import model_arch, model_info
 
         info = model_info(loaded)
         self.policy = resolve_policy(kv)
-        self.policy.check_model(info["num_layers"], info["head_dim"])
+        check_design(model_arch(loaded), self.policy)
         self.prefill = prefill
         self.layers_quantized = None  # measured on the first request
         self.layers_quantized_expected = quantized_layer_count(loaded, self.policy)

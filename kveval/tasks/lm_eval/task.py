@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
+from kveval.stats import minimum_detectable_effect
 from kveval.task_definitions import DEFINITIONS_DIR, LM_EVAL_DIR
 from kveval.tasks._finite import non_finite_numbers
 from kveval.tasks.lm_eval.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
@@ -354,8 +356,22 @@ def run(ctx, params: Params) -> dict:
     return aggregate(ctx.run.records(), list(ctx.policies), params)
 
 
+def _delta_mde(metrics: dict, base: dict, name: str) -> float | None:
+    """The smallest change of metric ``name`` the task's samples detect (alpha 0.05, power 0.8), from lm-eval's
+    own standard errors of the two means taken as independent: ``2.80 · sqrt(se_policy² + se_baseline²)``
+    (lm-eval keeps no per-sample scores, so the pairing of the samples is not used: a conservative MDE); None when
+    either standard error is missing. ``name`` ``acc`` reads ``acc_stderr``; ``f1,a`` reads ``f1_stderr,a``."""
+    metric, _, flt = name.partition(",")
+    key = f"{metric}_stderr" + (f",{flt}" if flt else "")
+    a, b = metrics.get(key), base.get(key)
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return None
+    return minimum_detectable_effect(math.sqrt(float(a) ** 2 + float(b) ** 2))
+
+
 def aggregate(records: list[dict], policies: list[str], params: Params) -> dict:
-    """metrics.json's ``lm_eval`` fields from the records (pure: the same records give the same metrics)."""
+    """metrics.json's ``lm_eval`` fields from the records (pure: the same records give the same metrics); each
+    ``delta_<metric>`` has its minimum detectable effect beside it (``delta_<metric>_mde``, :func:`_delta_mde`)."""
     by_policy: dict[str, dict] = {}
     for rec in records:
         if rec.get("task") == "lm_eval" and rec["lm_eval_task"] in params.tasks:
@@ -372,6 +388,7 @@ def aggregate(records: list[dict], policies: list[str], params: Params) -> dict:
                 ref = base.get(sub, {}).get(k)
                 if k not in ("n", "layers_quantized") and "_stderr" not in k and ref is not None:
                     m[f"delta_{k}"] = v - ref
+                    m[f"delta_{k}_mde"] = _delta_mde(metrics, base.get(sub, {}), k)
             entry[sub] = m
         out["policies"][name] = {"lm_eval": entry}
     return out

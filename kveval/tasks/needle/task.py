@@ -29,6 +29,7 @@ import time
 
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
+from kveval.stats import minimum_detectable_effect, paired_standard_error
 from kveval.tasks._generation import generate_answers, score_answer
 from kveval.tasks.needle.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
 from kveval.tasks.needle.prompts import (
@@ -239,6 +240,10 @@ def aggregate(records: list[dict], policies: list[str]) -> dict:
         pairs = [(base_hit.get(_trial_id(r)), r.get("exact_match")) for r in recs]
         pairs = [(b, p) for b, p in pairs if b is not None and p is not None]
         s["needle_lost"] = sum(1 for b, p in pairs if b and not p) / len(pairs) if pairs else None
+        # the smallest accuracy change the trials detect (alpha 0.05, power 0.8), from the paired differences of
+        # exact match (policy minus baseline, trial by trial); None below 2 paired trials. No threshold: no verdict
+        s["needle_accuracy_delta_mde"] = minimum_detectable_effect(
+            paired_standard_error(float(bool(p)) - float(bool(b)) for b, p in pairs))
         out["policies"][name] = s
     return out
 

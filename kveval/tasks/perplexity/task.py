@@ -45,13 +45,30 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from kveval.data import token_windows
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
 from kveval.results.layout import BASELINE
-from kveval.stats import bin_sums, bootstrap_ratio_ci, compare_logits
+from kveval.stats import (
+    add_llama_sums,
+    bin_sums,
+    bootstrap_ratio_ci,
+    bootstrap_standard_error,
+    compare_logits,
+    float32_values,
+    inconclusive,
+    llama_perplexity_stats,
+    llama_sums,
+    llama_token_values,
+    minimum_detectable_effect,
+    predicted_mde_delta_ppl_pct,
+    predicted_mde_kld,
+    size_to_decide,
+    tokens_to_resolve,
+)
 from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
 from kveval.tasks.perplexity.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
 
@@ -75,7 +92,12 @@ def _weights_key(window: int, variant: str, policy: str) -> str:
     return f"perplexity/w{window}/weights/{variant}/{policy}"
 
 
-def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, params: Params) -> dict:
+def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, params: Params,
+                   per_token: bool = True) -> dict:
+    """One (window, policy) record: the sums of NLL, KLD and top-1 agreement, their position bins and, with
+    ``per_token`` (every comparison but the FP baseline against itself), llama-perplexity's running sums of the
+    window (``llama_sums``) and each scored token's KLD and Δp rounded to float32 (``kld_values``,
+    ``p_diff_values``, in position order): what the percentiles of ``llama_perplexity`` need."""
     rec = {
         "key": _record_key(window.index, policy),
         "task": "perplexity",
@@ -88,6 +110,11 @@ def _window_record(window, policy: str, metrics: dict, positions: torch.Tensor, 
         rec[f"{name}_sum"] = float(metrics[name].sum())
     for name in ("nll", "kld"):
         rec[f"bin_{name}"], rec["bin_count"] = bin_sums(metrics[name], positions, params.position_bins, params.seq_len)
+    if per_token:
+        rec["llama_sums"] = llama_sums(metrics["nll"], metrics["nll_base"], metrics["kld"], metrics["p_diff"],
+                                       metrics["same_top"])
+        rec["kld_values"] = float32_values(metrics["kld"])
+        rec["p_diff_values"] = float32_values(metrics["p_diff"])
     return rec
 
 
@@ -104,6 +131,31 @@ def check(ctx, params: Params) -> None:
     if tokens.numel() < params.seq_len:
         raise KvevalError(f"the corpus has {tokens.numel()} tokens from start_token {params.start_token}, fewer than "
                           f"one window of seq_len {params.seq_len}")
+    windows = token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens)
+    scored = sum(len(w.input_ids) - w.score_from for w in windows)
+    for line in resolution_warnings(scored, ctx.cfg.threshold):  # on stdout: stderr is kept for the error line
+        if ctx.console is not None:
+            ctx.console.print(f"[yellow]warning:[/] perplexity: {line}", highlight=False)
+        else:
+            print(f"warning: perplexity: {line}")
+
+
+def resolution_warnings(scored: int, threshold) -> list[str]:
+    """One line per configured threshold that ``scored`` tokens cannot resolve: the minimum detectable effect
+    predicted for a policy at the threshold (:func:`kveval.stats.predicted_mde_delta_ppl_pct`,
+    :func:`kveval.stats.predicted_mde_kld`) exceeds it; the line says how many scored tokens would."""
+    out = []
+    checks = [("threshold.delta_ppl_pct", threshold.delta_ppl_pct, predicted_mde_delta_ppl_pct, "%")]
+    if threshold.kld is not None:
+        checks.append(("threshold.kld", threshold.kld, predicted_mde_kld, ""))
+    for name, thr, predict, unit in checks:
+        mde = predict(thr, scored)
+        if thr > 0 and mde > thr:
+            out.append(f"{scored:,} scored tokens cannot resolve {name} {thr:g}{unit}: the smallest effect they "
+                       f"detect (alpha 0.05, power 0.8) is about {mde:.3g}{unit} for a policy at the threshold; about "
+                       f"{tokens_to_resolve(mde, thr, scored):,} tokens would (raise max_tokens); verdicts near the "
+                       "threshold will say inconclusive")
+    return out
 
 
 #: rows of logits compared at once: compare_logits holds a few float64 copies of its [rows, vocab] inputs, so an
@@ -112,11 +164,13 @@ COMPARE_ROWS = 512
 
 
 def _compare(base: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``compare_logits`` over ``[n, vocab]`` inputs, ``COMPARE_ROWS`` rows at a time (per-row metrics: identical to
-    one call)."""
-    parts = [compare_logits(base[i:i + COMPARE_ROWS], logits[i:i + COMPARE_ROWS], targets[i:i + COMPARE_ROWS])
+    """:func:`kveval.stats.llama_token_values` over ``[n, vocab]`` inputs, ``COMPARE_ROWS`` rows at a time
+    (per-row metrics: identical to one call), with ``agree`` (= ``same_top``, :func:`compare_logits`'s name)."""
+    parts = [llama_token_values(base[i:i + COMPARE_ROWS], logits[i:i + COMPARE_ROWS], targets[i:i + COMPARE_ROWS])
              for i in range(0, base.shape[0], COMPARE_ROWS)]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    out["agree"] = out["same_top"]
+    return out
 
 
 def _where(window, offset: int) -> str:
@@ -258,8 +312,8 @@ def _score_batch(ctx, params: Params, batch: list, names: list[str], done, advan
             for i in need:
                 s = scored[i]
                 metrics = _compare(base[i, s.rows], base[i, s.rows], s.tgt)
-                ctx.run.append(_with_peak(_window_record(batch[i], name, _cpu(metrics), s.positions, params),
-                                          base_peak))
+                ctx.run.append(_with_peak(_window_record(batch[i], name, _cpu(metrics), s.positions, params,
+                                                         per_token=False), base_peak))
                 advance(ids.shape[1])
             continue
         part = [batch[i] for i in need]
@@ -458,6 +512,10 @@ def _summarise(records: list[dict], params: Params, seed: int) -> dict:
         ],
         "position_bin_edges": [params.seq_len * i // bins for i in range(bins + 1)],
     }
+    if all("llama_sums" in r for r in records):  # records of an older kveval have none: the fields are left out
+        out["llama_perplexity"] = llama_perplexity_stats(
+            add_llama_sums(r["llama_sums"] for r in records),
+            [v for r in records for v in r["kld_values"]], [v for r in records for v in r["p_diff_values"]])
     peaks = [r["cuda_peak_bytes"] for r in records if r.get("cuda_peak_bytes") is not None]
     if peaks:  # on CUDA: the largest peak of the passes that computed these records (DeviceMemory)
         out["cuda_peak_memory_bytes"] = max(peaks)
@@ -478,19 +536,83 @@ ROUNDING_FLOOR_PPL_PCT = 1e-9
 ROUNDING_FLOOR_KLD = 1e-12
 
 
+def _criteria(s: dict, threshold) -> list[tuple[float, float, float | None]]:
+    """(measured, threshold, minimum detectable effect) of each configured criterion: ΔPPL %, and the KLD when
+    ``threshold.kld`` is set."""
+    out = [(s["delta_ppl_pct"], threshold.delta_ppl_pct, s.get("delta_ppl_pct_mde"))]
+    if threshold.kld is not None:
+        out.append((s["kld_mean"], threshold.kld, s.get("kld_mde")))
+    return out
+
+
 def verdict(s: dict, threshold) -> str:
     """``within_noise`` when |ΔPPL %| is below the path noise floor (or the KLD below the KLD floor); otherwise
-    ``pass`` / ``fail`` against the threshold. Floors at float64 rounding level (``ROUNDING_FLOOR_*``) count as 0."""
+    ``fail`` when a criterion exceeds its threshold by more than the run can blur (:func:`kveval.stats.inconclusive`
+    is false for it), ``inconclusive`` when a criterion's threshold lies below its minimum detectable effect
+    (``delta_ppl_pct_mde``, ``kld_mde``) and the measurement lies within one MDE of it, else ``pass``. Without an
+    MDE (none measured) the plain threshold decides. Floors at float64 rounding level (``ROUNDING_FLOOR_*``) count
+    as 0."""
     floor_ppl, floor_kld = s.get("noise_floor_ppl_pct"), s.get("noise_floor_kld")
     if floor_ppl is not None:
         fp = floor_ppl if floor_ppl > ROUNDING_FLOOR_PPL_PCT else 0.0
         fk = floor_kld if floor_kld is not None and floor_kld > ROUNDING_FLOOR_KLD else 0.0
         if abs(s["delta_ppl_pct"]) < fp or s["kld_mean"] < fk:
             return "within_noise"
-    ok = s["delta_ppl_pct"] <= threshold.delta_ppl_pct
-    if threshold.kld is not None:
-        ok = ok and s["kld_mean"] <= threshold.kld
-    return "pass" if ok else "fail"
+    checks = _criteria(s, threshold)
+    undecided = [inconclusive(d, t, m) for d, t, m in checks]
+    if any(d > t and not u for (d, t, _), u in zip(checks, undecided)):
+        return "fail"
+    return "inconclusive" if any(undecided) else "pass"
+
+
+def _more_tokens(s: dict, threshold) -> int | None:
+    """Scored tokens to add so that an ``inconclusive`` verdict is decided (:func:`kveval.stats.size_to_decide`,
+    the largest over the undecided criteria), or None."""
+    n = s["tokens"]
+    need = [size_to_decide(n, d, t, m) for d, t, m in _criteria(s, threshold) if m is not None and inconclusive(d, t, m)]
+    need = [x for x in need if x is not None]
+    return max(need) - n if need else None
+
+
+def _larger(windows: float | None, tokens: float | None) -> tuple[float | None, str | None]:
+    if windows is None and tokens is None:
+        return None, None
+    if tokens is None or (windows is not None and windows >= tokens):
+        return windows, "bootstrap over windows"
+    return tokens, "per-token variance"
+
+
+def power_fields(s: dict, records: list[dict], base_records: list[dict], params: Params, seed: int) -> dict:
+    """The minimum detectable effect (alpha 0.05, power 0.8: :func:`kveval.stats.minimum_detectable_effect`) of
+    ΔPPL % and of the KLD at the run's size: ``delta_ppl_pct_mde``, ``kld_mde``, and ``mde_method`` saying which
+    standard error set each. The standard error is the larger of two: the bootstrap over windows of the paired
+    statistic (the policy's and the baseline's NLL of each window resampled together; correlations between the
+    tokens of a window included; ``params.bootstrap`` resamples, seeded), and the per-token variance as
+    llama-perplexity forms it (the uncertainty of ``Mean PPL(Q)/PPL(base)`` and of ``Mean KLD`` in
+    ``llama_perplexity``: tokens taken as independent; the only one with a single window). Records of an older
+    kveval (no per-token sums) with a single window give no MDE (the fields are None)."""
+    base_nll = {r["window"]: r["nll_sum"] for r in base_records}
+    recs = sorted(records, key=lambda r: r["window"])
+    n_tok = [r["n_tokens"] for r in recs]
+    boot = {"n_resamples": params.bootstrap, "seed": seed}
+    ppl_windows = bootstrap_standard_error([r["nll_sum"] - base_nll[r["window"]] for r in recs], n_tok,
+                                           transform=lambda x: 100.0 * np.expm1(x), **boot)
+    kld_windows = bootstrap_standard_error([r["kld_sum"] for r in recs], n_tok, **boot)
+    lp = s.get("llama_perplexity") or {}
+    ppl_tokens = 100.0 * lp["ppl_ratio_unc"] if lp.get("ppl_ratio_unc") else None
+    kld_tokens = lp.get("kld_mean_unc") or None
+    se_ppl, how_ppl = _larger(ppl_windows, ppl_tokens)
+    se_kld, how_kld = _larger(kld_windows, kld_tokens)
+    return {"delta_ppl_pct_mde": minimum_detectable_effect(se_ppl), "kld_mde": minimum_detectable_effect(se_kld),
+            "mde_method": {"delta_ppl_pct": how_ppl, "kld": how_kld}}
+
+
+def _decide(s: dict, records: list[dict], base_records: list[dict], params: Params, seed: int, threshold) -> None:
+    """``s`` gets its power fields, its verdict and, when ``inconclusive``, ``more_tokens_to_decide``."""
+    s.update(power_fields(s, records, base_records, params, seed))
+    s["verdict"] = verdict(s, threshold)
+    if s["verdict"] == "inconclusive":
+        s["more_tokens_to_decide"] = _more_tokens(s, threshold)
 
 
 def aggregate(records: list[dict], policies: list[str], params: Params, *, seed: int, threshold,
@@ -517,7 +639,7 @@ def aggregate(records: list[dict], policies: list[str], params: Params, *, seed:
         s["delta_ppl"] = s["ppl"] - base["ppl"]
         s["delta_ppl_pct"] = 100.0 * s["delta_ppl"] / base["ppl"]
         s.update(_noise_summary(noise.get(name, [])))
-        s["verdict"] = verdict(s, threshold)
+        _decide(s, by_policy[name], by_policy[BASELINE], params, seed, threshold)
         out["policies"][name] = s
     if weights:
         out["weights"] = {"variants": {
@@ -551,7 +673,7 @@ def _variant_summary(records: dict[str, list[dict]], by_policy: dict[str, list[d
             s.pop(k, None)
         s["delta_ppl"] = s["ppl"] - base["ppl"]
         s["delta_ppl_pct"] = 100.0 * s["delta_ppl"] / base["ppl"]
-        s["verdict"] = verdict(s, threshold)
+        _decide(s, recs, by_policy[BASELINE], params, seed, threshold)
         return s
 
     alone = against_base(records[BASELINE])

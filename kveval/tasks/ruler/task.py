@@ -40,6 +40,14 @@ import time
 
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
+from kveval.stats import (
+    binomial_sd_points,
+    inconclusive,
+    minimum_detectable_effect,
+    paired_standard_error,
+    samples_to_resolve,
+    size_to_decide,
+)
 from kveval.tasks._generation import generate_answers, score_answer
 from kveval.tasks._prompts import SentenceTokens, split_sentences
 from kveval.tasks.ruler.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
@@ -115,6 +123,15 @@ def check(ctx, params: Params) -> None:
                 make_sample(pieces, params, essay, seed=seed, family=family, length=shortest, sample=s)
             except KvevalError as exc:
                 raise KvevalError(f"tasks: ruler: {exc}") from None
+    need = samples_to_resolve(params.max_drop)
+    if params.samples < need:  # a warning on stdout, not an error: a small suite still gives anecdotes
+        line = (f"ruler: {params.samples} sample(s) per cell cannot resolve max_drop {params.max_drop:g} points: a "
+                f"policy at that drop is detected (alpha 0.05, power 0.8) from about {need} samples per cell; "
+                "verdicts near it will say inconclusive")
+        if ctx.console is not None:
+            ctx.console.print(f"[yellow]warning:[/] {line}", highlight=False)
+        else:
+            print(f"warning: {line}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -244,8 +261,40 @@ def _summarise(records: list[dict], families: list[str]) -> dict:
     }
 
 
+def _cell_power(cell: dict, pairs: list[tuple[float, float]], max_drop: float) -> None:
+    """A cell's minimum detectable drop (alpha 0.05, power 0.8) and its verdict, in place: ``drop_mde`` from the
+    paired per-sample differences (baseline minus policy, score points), their spread floored by the binomial
+    spread of a policy at ``max_drop`` (:func:`kveval.stats.binomial_sd_points`: what one sample cannot show);
+    ``verdict`` ``fail`` / ``pass`` / ``inconclusive`` (:func:`kveval.stats.inconclusive`) with
+    ``more_samples_to_decide`` when inconclusive."""
+    diffs = [100.0 * (b - p) for b, p in pairs]
+    mde = minimum_detectable_effect(paired_standard_error(diffs, binomial_sd_points(max_drop)))
+    cell["drop_mde"] = mde
+    if cell.get("drop") is None:
+        cell["verdict"] = None
+        return
+    if inconclusive(cell["drop"], max_drop, mde):
+        cell["verdict"] = "inconclusive"
+        total = size_to_decide(len(diffs), cell["drop"], max_drop, mde) if mde is not None else None
+        cell["more_samples_to_decide"] = None if total is None else total - len(diffs)
+    else:
+        cell["verdict"] = "fail" if cell["drop"] > max_drop else "pass"
+
+
+def _family_verdict(cells: list[dict]) -> str | None:
+    """``fail`` when a cell fails beyond its MDE, else ``inconclusive`` when a cell is, else ``pass``."""
+    verdicts = [c["verdict"] for c in cells if c.get("verdict") is not None]
+    if not verdicts:
+        return None
+    return "fail" if "fail" in verdicts else "inconclusive" if "inconclusive" in verdicts else "pass"
+
+
 def aggregate(records: list[dict], policies: list[str], params: Params) -> dict:
-    """metrics.json's ruler fields from the records (pure: the same records give the same metrics)."""
+    """metrics.json's ruler fields from the records (pure: the same records give the same metrics). Each cell of a
+    policy also gets ``drop_mde``, ``verdict`` and (when inconclusive) ``more_samples_to_decide``
+    (:func:`_cell_power`); a family's ``verdict`` is ``fail`` when one of its cells fails beyond the MDE,
+    ``inconclusive`` when one is inconclusive (``more_samples_to_decide``: the most its cells need), else
+    ``pass``."""
     by_policy: dict[str, list[dict]] = {}
     for r in records:
         if r.get("task") == NAME:
@@ -258,18 +307,25 @@ def aggregate(records: list[dict], policies: list[str], params: Params) -> dict:
         s = _summarise(by_policy.get(name, []), families)
         s["ruler_drop"] = _drop(base["ruler_score"], s["ruler_score"])
         s["ruler_logprob_delta"] = _diff(s["ruler_answer_logprob"], base["ruler_answer_logprob"])
+        base_score = {(r["family"], r["length"], r["sample"]): r.get("score") for r in by_policy.get(BASELINE, [])}
         for cell in s["ruler_cells"]:
             b = base_cells.get((cell["family"], cell["length"]), {})
             cell["drop"] = _drop(b.get("score"), cell["score"])
             cell["logprob_delta"] = _diff(cell["logprob"], b.get("logprob"))
+            pairs = [(base_score.get((r["family"], r["length"], r["sample"])), r.get("score"))
+                     for r in by_policy.get(name, []) if (r["family"], r["length"]) == (cell["family"], cell["length"])]
+            _cell_power(cell, [(bs, ps) for bs, ps in pairs if bs is not None and ps is not None], params.max_drop)
         for f, fam in s["ruler_families"].items():
             fam["drop"] = _drop(base["ruler_families"].get(f, {}).get("score"), fam["score"])
-            drops = [(c["drop"], c["length"]) for c in s["ruler_cells"] if c["family"] == f and c["drop"] is not None]
-            worst = max(drops, default=(None, None), key=lambda d: (d[0], -d[1]))
+            cells = [c for c in s["ruler_cells"] if c["family"] == f and c["drop"] is not None]
+            worst = max(((c["drop"], c["length"]) for c in cells), default=(None, None), key=lambda d: (d[0], -d[1]))
             fam["worst_drop"], fam["worst_length"] = worst
-            fam["verdict"] = None if worst[0] is None else ("fail" if worst[0] > params.max_drop else "pass")
+            fam["verdict"] = _family_verdict(cells)
+            if fam["verdict"] == "inconclusive":
+                more = [c.get("more_samples_to_decide") for c in cells if c.get("verdict") == "inconclusive"]
+                fam["more_samples_to_decide"] = max((m for m in more if m is not None), default=None)
         verdicts = [fam["verdict"] for fam in s["ruler_families"].values() if fam["verdict"] is not None]
-        s["ruler_verdict"] = ("fail" if "fail" in verdicts else "pass") if verdicts else None
+        s["ruler_verdict"] = _family_verdict([{"verdict": v} for v in verdicts])
         s["ruler_max_drop"] = params.max_drop
         out["policies"][name] = s
     return out

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from kveval.errors import KvevalError
-from kveval.memory import Arch, fp16_bytes, kv_bytes
+from kveval.memory import Arch, fp16_bytes, kv_bytes, kv_elements
 from kveval.policy import KVPolicy, policy_names
 from kveval.quant import preset
 
@@ -61,7 +61,7 @@ class Budget:
 
     def bytes(self, arch: Arch, context: int) -> int:
         """The largest allowed cache size in bytes for one sequence of ``context`` tokens (exact, floored)."""
-        elements = 2 * arch.layers * arch.kv_heads * context * arch.head_dim
+        elements = kv_elements(arch, context)
         if self.kind == "bits":
             return math.floor(Fraction(str(self.value)) * elements / 8)
         if self.kind == "bytes_per_token":
@@ -72,7 +72,7 @@ class Budget:
 
     def describe(self, arch: Arch, context: int) -> str:
         b = self.bytes(arch, context)
-        bits = 8 * b / (2 * arch.layers * arch.kv_heads * context * arch.head_dim)
+        bits = 8 * b / kv_elements(arch, context)
         return f"{self.text}: {b} B at {context} tokens ({bits:.4f} bits/element, {b / context:.1f} B/token)"
 
 
@@ -168,6 +168,8 @@ class Plan:
     context: int
     arch: Arch
     estimated: list[str] = field(default_factory=list)
+    #: the engine whose cache types the plan was restricted to (``kveval plan --engine``), None: any spec
+    engine: str | None = None
 
     def policy(self, name: str = "planned") -> KVPolicy:
         """The mixed policy: the most common K and V specs as defaults, the other layers as overrides."""
@@ -189,7 +191,7 @@ class Plan:
 
     @property
     def bits_per_element(self) -> float:
-        return 8 * self.total_bytes / (2 * self.arch.layers * self.arch.kv_heads * self.context * self.arch.head_dim)
+        return 8 * self.total_bytes / kv_elements(self.arch, self.context)
 
 
 MAX_CONTEXT = 10**8  # tokens: a plan's memory bill at more than this is a typo
@@ -218,7 +220,7 @@ def check_scan(metrics) -> Arch:
     if not isinstance(arch_fields, dict):
         raise KvevalError(f"{bad} has no memory.arch (the model's shape); rerun the scan")
     try:
-        arch = Arch(**arch_fields)
+        arch = Arch.from_dict(arch_fields)
     except (TypeError, ValueError, KvevalError) as exc:
         raise KvevalError(f"{bad}: memory.arch is not a model shape ({str(exc).splitlines()[0][:200]})") from None
     for name in ("layers", "kv_heads", "head_dim"):
@@ -248,8 +250,8 @@ def check_scan(metrics) -> Arch:
         for key in ("layer", "tensor", "spec", "kld", "nll_delta"):
             if key not in c:
                 raise KvevalError(f"{where} has no '{key}'")
-        if not _count(c["layer"], 0) or c["layer"] >= arch.layers:
-            raise KvevalError(f"{where}.layer is {c['layer']!r}, not a layer of the model (0-{arch.layers - 1})")
+        if not _count(c["layer"], 0) or c["layer"] not in arch.kv_layers:
+            raise KvevalError(f"{where}.layer is {c['layer']!r}, not a layer of the model that holds K/V")
         if c["tensor"] not in TENSORS:
             raise KvevalError(f"{where}.tensor is {c['tensor']!r}, not key or value")
         if c["spec"] not in specs:
@@ -320,20 +322,24 @@ def candidate_costs(arch: Arch, specs: list[str], context: int) -> dict[tuple[in
 
 
 def plan(metrics: dict, budget: Budget | str, *, context: int | None = None, extra: tuple[str, ...] = ("int8",),
-         allow_fp: bool = False) -> Plan:
-    """The optimal plan under ``budget`` for a scan's metrics (``metrics.json`` of a sensitivity run)."""
+         allow_fp: bool = False, engine: str | None = None) -> Plan:
+    """The optimal plan under ``budget`` for a scan's metrics (``metrics.json`` of a sensitivity run); with
+    ``engine`` (``kveval.tasks.sensitivity.engines.ENGINES``) the best plan that engine can run
+    (:func:`engine_plan`)."""
     budget = parse_budget(budget) if not isinstance(budget, Budget) else budget
     arch = check_scan(metrics)
     table = scan_table(metrics)
     if context is not None and (not _count(context) or context > MAX_CONTEXT):
         raise KvevalError(f"--context {context}: give a number of tokens between 1 and {MAX_CONTEXT}")
     context = context or metrics["sensitivity"].get("seq_len") or metrics["memory"]["context"]
+    if engine is not None:
+        return engine_plan(metrics, budget, engine, context=context, allow_fp=allow_fp)
     scanned = list(metrics["sensitivity"]["specs"])
     specs = scanned + [s for s in extra if s not in scanned] + (["none"] if allow_fp else [])
     costs = candidate_costs(arch, specs, context)
     estimated = [s for s in specs if s not in scanned and s != "none"]
     items, names = [], []
-    for i in range(arch.layers):
+    for i in arch.kv_layers:  # a hybrid's attention layers only: the others hold no K/V
         for t in TENSORS:
             choices = []
             for s in specs:
@@ -346,7 +352,7 @@ def plan(metrics: dict, budget: Budget | str, *, context: int | None = None, ext
         best, chosen = solve([[(c, v) for c, v, _ in ch] for ch in items], capacity)
     except KvevalError:
         least = sum(min(c for c, _, _ in ch) for ch in items)
-        bits = 8 * least / (2 * arch.layers * arch.kv_heads * context * arch.head_dim)
+        bits = 8 * least / kv_elements(arch, context)
         raise KvevalError(
             f"budget {budget.describe(arch, context)} is below the smallest plan the candidates "
             f"({', '.join(specs)}) allow: {least} B = {bits:.4f} bits/element ({least / context:.1f} B/token)"
@@ -356,8 +362,78 @@ def plan(metrics: dict, budget: Budget | str, *, context: int | None = None, ext
     for (i, t), ch, j in zip(names, items, chosen):
         (key if t == "key" else value)[i] = specs[j]
         dnll_sum += ch[j][2]
+    for chosen_specs in (key, value):  # layers without K/V take the commonest choice: no override is written
+        common = max(set(s for s in chosen_specs if s), key=lambda s: (chosen_specs.count(s), s))
+        chosen_specs[:] = [s or common for s in chosen_specs]
     total = sum(ch[j][0] for ch, j in zip(items, chosen))
     return Plan(key, value, best, 100.0 * math.expm1(dnll_sum), budget, capacity, total, context, arch, estimated)
+
+
+def engine_plan(metrics: dict, budget: Budget, engine: str, *, context: int, allow_fp: bool = False) -> Plan:
+    """The plan of least summed scanned KLD under ``budget`` among the policies ``engine`` can run, from the
+    scanned specs that compute one of its cache types (no estimated specs: an engine's type is scanned or left
+    out). vLLM: one type for K and V of every layer, each layer also free to stay in the model's dtype
+    (``--kv-cache-dtype-skip-layers``: a per-layer knapsack per type, :func:`solve`); llama.cpp: one K type and
+    one V type for all layers (``none``, f16, among them with ``allow_fp``); SGLang, TensorRT-LLM, transformers:
+    one type for K and V of every layer. KvevalError naming the engine when the scan holds none of its types or
+    no plan of them fits."""
+    from kveval.errors import did_you_mean
+    from kveval.tasks.sensitivity.engines import ENGINES
+
+    if engine not in ENGINES:
+        raise KvevalError(f"--engine {engine}: unknown engine{did_you_mean(engine, ENGINES)} (one of "
+                          f"{', '.join(ENGINES)})")
+    eng = ENGINES[engine]
+    arch = check_scan(metrics)
+    table = scan_table(metrics)
+    scanned = list(metrics["sensitivity"]["specs"])
+    cands = eng.candidates(scanned)
+    if not cands:
+        runnable = sorted({s for t in eng.types for s in t.specs if s != "none"})
+        raise KvevalError(f"--engine {engine}: the scan holds none of the specs {eng.title} can run (scanned: "
+                          f"{', '.join(scanned)}); scan some of: {', '.join(runnable)}")
+    specs = cands + (["none"] if "none" not in cands else [])
+    costs = candidate_costs(arch, specs, context)
+    capacity = budget.bytes(arch, context)
+    layers = range(arch.layers)
+
+    def cell(i: int, t: str, s: str) -> tuple[int, float, float]:
+        kld, dnll = _cell_value(table, i, t, s, scanned)
+        return costs[(i, t, s)], kld, dnll
+
+    if eng.split_kv:
+        pool = cands + (["none"] if allow_fp and "none" not in cands else [])
+        pairs = [(k, v) for k in pool for v in pool if (k, v) != ("none", "none")]
+    else:
+        pairs = [(d, d) for d in cands if d != "none"]
+    best: tuple | None = None
+    for dk, dv in pairs:
+        if eng.skip_layers:
+            items = [[(cell(i, "key", dk)[0] + cell(i, "value", dv)[0], cell(i, "key", dk)[1] + cell(i, "value", dv)[1]),
+                      (costs[(i, "key", "none")] + costs[(i, "value", "none")], 0.0)] for i in layers]
+            try:
+                _, chosen = solve(items, capacity)
+            except KvevalError:
+                continue
+            key = [dk if c == 0 else "none" for c in chosen]
+            value = [dv if c == 0 else "none" for c in chosen]
+        else:
+            key, value = [dk] * arch.layers, [dv] * arch.layers
+        parts = [cell(i, "key", key[i]) for i in layers] + [cell(i, "value", value[i]) for i in layers]
+        total = sum(p[0] for p in parts)
+        if total > capacity:
+            continue
+        kld, dnll = sum(p[1] for p in parts), sum(p[2] for p in parts)
+        if best is None or (kld, total) < (best[0], best[1]):
+            best = (kld, total, dnll, key, value)
+    if best is None:
+        least = min(sum(costs[(i, "key", k)] + costs[(i, "value", v)] for i in layers) for k, v in pairs)
+        bits = 8 * least / kv_elements(arch, context)
+        raise KvevalError(f"budget {budget.describe(arch, context)} is below the smallest plan {eng.title} can run "
+                          f"from the scan's {', '.join(cands)}: {least} B = {bits:.4f} bits/element")
+    kld, total, dnll, key, value = best
+    return Plan(key, value, kld, 100.0 * math.expm1(dnll), budget, capacity, total, context, arch, [],
+                engine=engine)
 
 
 def _cell_value(table, layer: int, tensor: str, spec: str, scanned: list[str]) -> tuple[float, float]:

@@ -37,14 +37,33 @@ def _key(window: int, cell: tuple | None = None) -> str:
     return f"sensitivity/w{window}/L{layer}/{tensor}/{spec}"
 
 
+def scanned_layers(selector: str, info: dict) -> list[int]:
+    """The layers a scan visits: those of ``selector`` that hold K/V (``info["kv_layers"]``: a hybrid's attention
+    layers, by their model index). KvevalError when an explicit selector names a layer without K/V (a
+    linear-attention or Mamba layer has no cache to quantize) or selects none."""
+    chosen = layers_of(selector, info["num_layers"])
+    kv = info["kv_layers"]
+    held = [i for i in chosen if i in kv]
+    if str(selector).strip() != "all" and len(held) != len(chosen):
+        others = [i for i in chosen if i not in kv]
+        raise KvevalError(f"tasks: sensitivity.layers selects layers {', '.join(map(str, others[:8]))} that hold no "
+                          f"K/V (linear-attention, Mamba or MLP-only layers); the model's K/V layers are "
+                          f"{', '.join(map(str, kv[:16]))}{', ...' if len(kv) > 16 else ''}")
+    if not held:
+        raise KvevalError(f"tasks: sensitivity.layers '{selector}' selects no layer that holds K/V")
+    return held
+
+
 def check(ctx, params: Params) -> None:
-    from kveval.models import model_context_limit
+    from kveval.memory.fit import check_policy
+    from kveval.models import model_arch, model_context_limit
     from kveval.tasks.sensitivity.scan import cell_policy, check_reusable
 
-    n = ctx.info["num_layers"]
-    layers_of(params.layers, n)
+    layers = scanned_layers(params.layers, ctx.info)
+    arch = model_arch(ctx.model)
     for spec in params.specs:
-        cell_policy(0, "key", spec).check_model(n, ctx.info["head_dim"])  # group sizes, granularity
+        check_policy(arch, cell_policy(layers[0], "key", spec))  # group sizes (of what the spec quantizes)
+        check_policy(arch, cell_policy(layers[0], "value", spec))
     limit = model_context_limit(ctx.model)
     if params.seq_len > limit:
         raise KvevalError(f"tasks: sensitivity.seq_len {params.seq_len} is longer than the model's context ({limit})")
@@ -79,7 +98,7 @@ def compare(base: dict, logits: torch.Tensor, targets: torch.Tensor) -> dict:
 def run(ctx, params: Params) -> dict:
     from kveval.tasks.sensitivity.scan import baseline_prefix, cell_policy, naive_logits, replay, verify_replay
 
-    layers = layers_of(params.layers, ctx.info["num_layers"])
+    layers = scanned_layers(params.layers, ctx.info)
     cells = [(i, t, s) for s in params.specs for i in layers for t in params.tensors]
     windows = list(token_windows(ctx.tokens(), params.seq_len, max_tokens=params.max_tokens))
     token_end = max(w.end for w in windows)

@@ -1,0 +1,109 @@
+"""Hostile checkpoint KV scales (kveval.scales.checkpoint): a model folder whose config declares a KV cache scheme
+but whose scales are missing, zero, negative, NaN or of the wrong shape, a scheme the engine refuses, scales of
+another format than the policy's, and ``scales: checkpoint`` on a model that has no folder. Each is one line
+naming the layer and the tensor, exit status 2, before anything is written (``kveval run`` and ``kveval
+validate`` alike)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checkpoint_folders import add_compressed_tensors_scales, add_modelopt_scales, save_model_folder  # noqa: E402
+
+pytest.importorskip("compressed_tensors")
+
+GOOD = [0.0625, 0.125, 0.25, 0.5]  # bf16-exact scales, one per layer of builtin:tiny-llama
+
+
+@pytest.fixture(scope="module")
+def plain_folder(tmp_path_factory):
+    """builtin:tiny-llama saved as a model folder (no KV scheme)."""
+    from kveval.models import build_tiny_model, byte_tokenizer
+
+    return save_model_folder(build_tiny_model("tiny-llama"), byte_tokenizer(), tmp_path_factory.mktemp("plain"))
+
+
+def _copy(plain: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(plain, tmp_path / "ckpt"))
+
+
+def _run(h, tmp_path, folder, kv=("vllm_fp8",)):
+    out = tmp_path / "run"
+    path = h.write_config(tmp_path / "c.yaml", h.tiny_raw(out, model=str(folder), kv=list(kv)))
+    return h.invoke("run", path, "-q"), out
+
+
+@pytest.mark.parametrize(("edit", "needles"), [
+    (lambda f: add_compressed_tensors_scales(f, GOOD, GOOD, skip=("model.layers.2.self_attn.v_scale",)),
+     ("layer 2 has no self_attn.v_scale", "1.0")),
+    (lambda f: add_compressed_tensors_scales(f, GOOD, [0.5, 0.5, 0.0, 0.5]), ("layer 2", "v_scale", "holds 0")),
+    (lambda f: add_compressed_tensors_scales(f, [0.5, -0.25, 0.5, 0.5], GOOD), ("layer 1", "k_scale", "negative")),
+    (lambda f: add_compressed_tensors_scales(f, [0.5, 0.5, 0.5, float("nan")], GOOD),
+     ("layer 3", "k_scale", "NaN")),
+    (lambda f: add_compressed_tensors_scales(f, [torch.ones(2), 0.5, 0.5, 0.5], GOOD),
+     ("layer 0", "k_scale", "shape [2]", "expected [1]")),
+    (lambda f: add_compressed_tensors_scales(f, [[0.5, 0.5, 0.5]] * 4, [[0.5, 0.5]] * 4, strategy="attn_head"),
+     ("layer 0", "k_scale", "shape [3, 1, 1]", "[2, 1, 1]")),
+    (lambda f: add_compressed_tensors_scales(f, GOOD + [0.5], GOOD + [0.5]), ("layer 4", "4 layers")),
+    (lambda f: add_modelopt_scales(f, [0.5, 0.0, 0.5, 0.5], GOOD), ("layer 1", "k_proj.k_scale", "holds 0",
+                                                                     "vLLM stops on a zero")),
+], ids=["missing", "zero", "negative", "nan", "shape", "heads", "extra_layer", "modelopt_zero"])
+def test_a_bad_checkpoint_scale_is_one_line_and_nothing_is_written(h, tmp_path, plain_folder, edit, needles):
+    folder = _copy(plain_folder, tmp_path)
+    edit(folder)
+    result, out = _run(h, tmp_path, folder)
+    h.assert_user_error(result, *needles, strict=False)
+    assert not out.exists()
+    config = tmp_path / "c.yaml"
+    h.assert_user_error(h.invoke("validate", config), *needles, strict=False)
+
+
+def test_a_scheme_vllm_refuses(h, tmp_path, plain_folder):
+    folder = _copy(plain_folder, tmp_path)
+    add_compressed_tensors_scales(folder, GOOD, GOOD)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"].update(num_bits=4)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    result, out = _run(h, tmp_path, folder)
+    h.assert_user_error(result, "num_bits 4", "vLLM refuses it", strict=False)
+    assert not out.exists()
+
+
+def test_per_head_scales_under_a_per_tensor_policy(h, tmp_path, plain_folder):
+    folder = _copy(plain_folder, tmp_path)
+    add_compressed_tensors_scales(folder, [[0.5, 0.25]] * 4, [[0.5, 0.25]] * 4, strategy="attn_head")
+    result, out = _run(h, tmp_path, folder)
+    h.assert_user_error(result, "policy 'vllm_fp8'", "attn_head", "vllm_fp8_per_head", strict=False)
+    assert not out.exists()
+
+
+def test_nvfp4_scales_under_an_fp8_policy(h, tmp_path, plain_folder):
+    folder = _copy(plain_folder, tmp_path)
+    add_modelopt_scales(folder, GOOD, GOOD, algo="NVFP4")
+    result, out = _run(h, tmp_path, folder)
+    h.assert_user_error(result, "policy 'vllm_fp8'", "NVFP4 KV scales", "quantizes to FP8", strict=False)
+    assert not out.exists()
+
+
+def test_checkpoint_scales_of_a_model_without_a_folder(h, tmp_path):
+    out = tmp_path / "run"
+    path = h.write_config(tmp_path / "c.yaml", h.tiny_raw(out, kv={"policies": {"p": {"preset": "vllm_fp8",
+                                                                                     "scales": "checkpoint"}}}))
+    h.assert_user_error(h.invoke("run", path, "-q"), "scales: checkpoint", "not one", strict=False)
+    assert not out.exists()
+
+
+def test_a_pre_rope_policy_cannot_take_checkpoint_scales(h, tmp_path, plain_folder):
+    folder = _copy(plain_folder, tmp_path)
+    add_compressed_tensors_scales(folder, GOOD, GOOD)
+    result, out = _run(h, tmp_path, folder, kv=[{"p": {"preset": "vllm_fp8", "pre_rope": True}}])
+    h.assert_user_error(result, "policy 'p'", "post-RoPE", strict=False)
+    assert not out.exists()
