@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_decode.py [--model builtin:smollm2-135m] [--batch 4] [--prompt 1024]
                                            [--new-tokens 32] [--policies int4_g64,kivi2] [--repeats 2]
                                            [--threads N] [--skip-single] [--cache-from FILE]
+                                           [--reads lean,buffered]
 
 The same ``--batch`` prompts (builtin corpus, lengths ``prompt``, ``prompt - 37``, ``prompt - 2*37`` ...: left
 padding in a batch) are generated greedily, ``--new-tokens`` tokens each (``min_new_tokens`` too: no early stop),
@@ -11,7 +12,8 @@ two ways per cache:
 * ``batched``: one ``model.generate`` over the left-padded batch;
 * ``single``: one ``model.generate`` per prompt (what the needle and ruler tasks did before batching).
 
-Caches: HF's ``DynamicCache`` (``dynamic``), this ``QuantizedKVCache`` under each policy, and with ``--cache-from
+Caches: HF's ``DynamicCache`` (``dynamic``), this ``QuantizedKVCache`` under each policy on each of ``--reads``
+(``<policy>@lean``, ``<policy>@buffered``), and with ``--cache-from
 FILE`` the ``QuantizedKVCache`` of another version of ``kveval/patch/cache.py`` (e.g. ``git show
 b303ddb:kveval/patch/cache.py > /tmp/cache_old.py``; printed as ``<policy>@old``; that version reads no left
 padding, so its batched rows count padding as tokens).
@@ -28,6 +30,7 @@ differently, and a flip changes the continuation).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -86,6 +89,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--policies", default="int4_g64,kivi2")
+    ap.add_argument("--reads", default="lean", help="QuantizedKVCache read paths to time: lean, buffered or both")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-single", action="store_true", help="only the batched runs")
     ap.add_argument("--cache-from", default=None, help="another cache.py to time beside this one")
@@ -118,7 +122,9 @@ def main() -> None:
     ways = ["batched"] if args.skip_single else ["batched", "single"]
     for name in args.policies.split(","):
         policy = KVPolicy.preset(name)
-        caches = [("dynamic", None, QuantizedKVCache), (name, policy, QuantizedKVCache)]
+        caches = [("dynamic", None, QuantizedKVCache)]
+        for read in args.reads.split(","):
+            caches.append((f"{name}@{read}", policy, functools.partial(QuantizedKVCache, read=read)))
         if old_cache is not None:
             caches.append((f"{name}@old", policy, old_cache))
         times: dict[tuple[str, str], dict[str, list[float]]] = {}

@@ -16,7 +16,7 @@ from kveval.errors import KvevalError
 from kveval.memory import Arch, check_design, fp16_bytes, kv_bytes
 from kveval.models import build_tiny_model
 from kveval.models.builtin import TINY_FAMILIES
-from kveval.patch import QuantizedKVCache
+from kveval.patch import QuantizedKVCache, resident_nbytes
 from kveval.policy import KVPolicy
 from kveval.quant import preset, preset_names
 from kveval.quant.formats.registry import format_names
@@ -109,6 +109,9 @@ def test_architecture_matrix(family):
         bill = kv_bytes(arch, policy, T, fp_bytes=8, prompt=PROMPT)
         held = cache.nbytes()
         assert held["total"] == bill.total and held.get("state", 0) == bill.state, (family, name, held, bill)
+        # and it holds nothing else (the lean read path: no full-precision copy of the quantized tokens)
+        # (pre-RoPE keys: and the (cos, sin) of each held position, QuantizedKVCache.rope_table_nbytes)
+        assert resident_nbytes(cache) == bill.total + bill.state + cache.rope_table_nbytes(), (family, name, bill)
         if bill.codes:  # something was quantized in these T tokens (KIVI's 128-token residual: nothing)
             # the emulation reproduces the real cache to 1e-4 of the quantization effect, beyond what one pass and
             # step-by-step decoding differ by unquantized (float64; families with float32 internals, norms, MoE

@@ -162,14 +162,15 @@ def test_padding_is_read_from_the_attention_mask_of_generate(tiny_gemma3_64):
 # ---------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def test_read_buffers_grow_by_doubling_and_sliding_layers_stay_at_their_window(tiny_gemma3_64):
-    """Token by token from a 3-token prompt to 60 tokens, no size hint: full-attention layers double their buffers
+    """The buffered read path, token by token from a 3-token prompt to 60 tokens, no size hint: full-attention layers
+    double their buffers
     (16 -> 32 -> 64 positions), sliding-window layers (window 8) drop the evicted front and keep 16; the bytes
     equal the bill after every call and the logits equal one emulated pass."""
     model, _ = tiny_gemma3_64
     policy = KVPolicy.from_config({"key": "int4_g32", "value": "int8", "residual": 3, "sink_tokens": 2})
     arch = Arch.from_model(model)
     ids = ids_for(model, 60, seed=4)
-    cache = QuantizedKVCache(model, policy)
+    cache = QuantizedKVCache(model, policy, read="buffered")
     kw = cache_kwargs(model, cache)
     logits = []
     for start, stop in [(0, 3), *((t, t + 1) for t in range(3, 60))]:
@@ -183,7 +184,7 @@ def test_read_buffers_grow_by_doubling_and_sliding_layers_stay_at_their_window(t
 def test_reserved_buffers_are_allocated_once(tiny_llama64):
     model, _ = tiny_llama64
     policy = KVPolicy.preset("int4_g32")
-    cache = QuantizedKVCache(model, policy, max_length=50)
+    cache = QuantizedKVCache(model, policy, max_length=50, read="buffered")
     model.generate(ids_for(model, 30), past_key_values=cache, max_new_tokens=20, do_sample=False,
                    min_new_tokens=20)
     assert {layer.capacity for layer in cache.layers} == {50}

@@ -29,10 +29,22 @@ real tokens. Padding positions are never quantized and never billed: ``nbytes()`
 every row starts at position 0. Exactness per row needs what the model itself guarantees: the same logits for a
 row alone and in a padded batch (float rounding aside).
 
-How a step stays cheap (``QuantizedKVLayer``): what attention reads lives in one preallocated buffer per tensor
-(``[batch, kv_heads, capacity, head_dim]`` with a fill pointer): a stored token is written once, a quantized token
-is overwritten once by its read-back value, and a call returns a view of the buffer, never a concatenation of
-the history. The packed codes and scales of the tokens quantized in one call (by all rows that quantize the same
+Two read paths (``read=``), the same numbers (tested bit for bit in float64):
+
+* ``"lean"`` (the default): between calls a layer holds what its bill says and nothing else: the packed codes and
+  scales, and the full-precision sink and residual tokens (``nbytes()`` equals the bytes of the tensors it holds,
+  ``resident_nbytes``). One exception: with pre-RoPE keys (``pre_rope``) a layer also keeps the ``(cos, sin)`` of
+  every held position, 2 x head_dim values per token in the model's dtype, which an engine recomputes from the
+  positions. A call dequantizes that layer's history into a transient buffer
+  ``[batch, kv_heads, n, head_dim]``, attends over it and drops it, as a kernel that dequantizes on read would: the
+  peak is the bill plus one layer's full-precision history, and a step costs O(context) dequantization.
+* ``"buffered"``: what attention reads lives in one preallocated buffer per tensor (``[batch, kv_heads, capacity,
+  head_dim]`` with a fill pointer): a stored token is written once, a quantized token is overwritten once by its
+  read-back value, and a call returns a view of the buffer, never a concatenation of the history. Faster (a step
+  costs O(new tokens)), but it keeps every token's read-back value in full precision besides its codes: more
+  memory than an unquantized cache. For speed where memory does not matter (the tasks' generation).
+
+In both, the packed codes and scales of the tokens quantized in one call (by all rows that quantize the same
 positions, in one quantize call) form a ``StoredChunk``; consecutive chunks are merged in a binary-counter
 pattern, so each token's codes are copied O(log n) times in all. Which rows quantize which positions at a call is
 computed once per call and shared by all layers.
@@ -134,10 +146,11 @@ class StoredChunk:
     def read(self) -> torch.Tensor | None:
         return self.decoded
 
-    def drop_front(self, read_tokens: int, stored_tokens: int, blocks: int = 0) -> None:
+    def drop_front(self, read_tokens: int, stored_tokens: int, blocks: int = 0, copy: bool = False) -> None:
         """Forget the oldest tokens (a sliding-window layer): ``read_tokens`` of what is read, ``stored_tokens`` of
         the packed rows and per-token side data, and ``blocks`` token blocks of per-channel scales (a block's
-        scale and codes are kept while any of its tokens is in the window; static scales are kept)."""
+        scale and codes are kept while any of its tokens is in the window; static scales are kept). ``copy``:
+        copy what is kept into tensors of its size (a slice alone keeps the forgotten bytes alive)."""
         if self.decoded is not None:
             self.decoded = self.decoded[:, :, read_tokens:]
         if stored_tokens == 0 and blocks == 0:
@@ -145,17 +158,28 @@ class StoredChunk:
         a = self.qt
         static = self.static
 
-        def cut(x, n):
-            return x if x is None or static else x[:, :, n:]
+        def cut(x, n, keep_once=static):
+            if x is None or keep_once:
+                return x
+            return x[:, :, n:].clone() if copy else x[:, :, n:]
 
         per_block = a.spec.gran.token_blocks
         drop_scales = blocks if per_block else stored_tokens
         shape = torch.Size([*a.shape[:2], a.shape[2] - stored_tokens, a.shape[3]])
         self.qt = replace(a, scale=cut(a.scale, drop_scales), zero_point=cut(a.zero_point, drop_scales),
                           shape=shape,
-                          outlier_values=None if a.outlier_values is None else a.outlier_values[:, :, stored_tokens:],
-                          outlier_index=None if a.outlier_index is None else a.outlier_index[:, :, stored_tokens:])
-        self.packed = self.packed[:, :, stored_tokens:]
+                          outlier_values=cut(a.outlier_values, stored_tokens, False),
+                          outlier_index=cut(a.outlier_index, stored_tokens, False))
+        self.packed = cut(self.packed, stored_tokens, False)
+
+    def share_static(self, first: StoredChunk) -> None:
+        """Hold ``first``'s static scales and zero points (equal to this chunk's: static) instead of a copy."""
+        a, b = self.qt, first.qt
+        if a.scale is not None and b.scale is not None and torch.equal(a.scale, b.scale):
+            self.qt = replace(a, scale=b.scale)
+        a = self.qt
+        if a.zero_point is not None and b.zero_point is not None and torch.equal(a.zero_point, b.zero_point):
+            self.qt = replace(a, zero_point=b.zero_point)
 
     def static_nbytes(self) -> int:
         """Bytes of the side data a layer keeps once whatever its tokens and rows: static scales and zero points
@@ -203,8 +227,11 @@ class _StoredRun:
 
     def read(self) -> torch.Tensor:
         store = self.layer.stores[self.kind]
+        p = self.piece
+        if store.view is None:  # the lean path between calls: read back from the codes
+            return self.layer.read_back(store, p)[:, :, self._first() - p.start:]
         store.apply_pending(self.layer.base)
-        p, base = self.piece, self.layer.base
+        base = self.layer.base
         return store.view[self.layer.rows_index(p.rows), :, self._first() - base:p.end - base]
 
     def read_storage(self) -> torch.Tensor:
@@ -232,6 +259,12 @@ class _TensorStore:
         # (rows, start, end, read-back values): quantized this call, written into ``view`` at the next call
         self.pending: list[tuple[tuple[int, ...], int, int, torch.Tensor]] = []
         self.rows_index = None  # set by the layer: rows -> index for dim 0
+        # the lean read path between calls (``view`` and ``raw`` are None then): ``tails`` ``(rows, start,
+        # values)``: the positions ``[start, n)`` of those rows not quantized (``raw``'s tensor when a transform
+        # keeps one, else ``view``'s); ``sinks`` ``(row, start, values)``: a row's sinks, as attention reads them
+        self.tails: list[tuple[tuple[int, ...], int, torch.Tensor]] = []
+        self.sinks: list[tuple[int, int, torch.Tensor]] = []
+        self.shape: tuple[int, int, torch.dtype] | None = None  # (kv_heads, head_dim, dtype), set at the first call
 
     def source(self) -> torch.Tensor:
         assert self.view is not None
@@ -254,6 +287,8 @@ class _TensorStore:
         """Append ``piece``; merge the last two pieces while the older is no longer than the newer (same rows,
         adjacent positions): each token's codes are then copied O(log n) times over a whole generation."""
         pieces = self.pieces
+        if pieces and piece.chunk.static:  # one static scale per layer and tensor, as billed
+            piece.chunk.share_static(pieces[0].chunk)
         pieces.append(piece)
         while len(pieces) >= 2:
             a, b = pieces[-2], pieces[-1]
@@ -262,9 +297,10 @@ class _TensorStore:
                 break
             pieces[-2:] = [_Piece(a.rows, a.start, b.end, a.chunk.extend(b.chunk), a.token_block)]
 
-    def evict(self, lo: int) -> None:
+    def evict(self, lo: int, copy: bool = False) -> None:
         """Forget stored positions before ``lo``: pieces that end before it, and the front of the piece it cuts (by
-        whole token blocks for per-channel statistics: a block is kept while any of its tokens is held)."""
+        whole token blocks for per-channel statistics: a block is kept while any of its tokens is held; ``copy``:
+        as ``StoredChunk.drop_front``)."""
         kept = []
         for p in self.pieces:
             if p.end <= lo:
@@ -276,7 +312,7 @@ class _TensorStore:
                     blocks = (lo - p.start) // p.token_block
                     drop = blocks * p.token_block
                 if drop:
-                    p.chunk.drop_front(0, drop, blocks)
+                    p.chunk.drop_front(0, drop, blocks, copy)
                     p.start += drop
             kept.append(p)
         self.pieces = kept
@@ -289,6 +325,30 @@ class _TensorStore:
             codes += b["codes"]
             scales += b["scales"] - (p.chunk.static_nbytes() if i else 0)
         return codes, scales
+
+
+#: the cache's read paths (the module docstring): ``lean`` holds what its bill says, ``buffered`` is faster
+READ_PATHS = ("lean", "buffered")
+
+
+def _grown_capacity(capacity: int, need: int, reserve: int | None) -> int:
+    """Positions a buffer holding ``capacity`` allocates for ``need``: ``reserve`` (or twice the need) at the first
+    call, then doubling (amortised O(1) copies per position)."""
+    if not capacity:
+        return max(need, reserve or 2 * need, 16)
+    return capacity if need <= capacity else max(need, 2 * capacity)
+
+
+def _moved(buf: torch.Tensor | None, like: torch.Tensor, dim: int, start: int, stop: int,
+           capacity: int) -> torch.Tensor:
+    """A new buffer shaped as ``like`` with ``capacity`` along ``dim``, holding ``buf``'s slots ``[start, stop)``
+    at its front."""
+    shape = list(like.shape)
+    shape[dim] = capacity
+    new = like.new_empty(shape)
+    if buf is not None and stop > start:
+        new.narrow(dim, 0, stop - start).copy_(buf.narrow(dim, start, stop - start))
+    return new
 
 
 def _quantized_end(sched: Schedule, n: int, prompt: int) -> int:
@@ -316,8 +376,11 @@ class QuantizedKVLayer(DynamicLayer):
     def __init__(self, key_q: TensorQuantizer, value_q: TensorQuantizer, policy: KVPolicy, is_sliding: bool = False,
                  module: torch.nn.Module | None = None, implementation: str | None = None,
                  window: int | None = None, *, left_padding: Sequence[int] | None = None,
-                 reserve: int | None = None, plans: dict | None = None):
+                 reserve: int | None = None, plans: dict | None = None, read: str = "lean"):
         super().__init__()
+        if read not in READ_PATHS:
+            raise KvevalError(f"read must be one of {', '.join(READ_PATHS)}; got {read!r}")
+        self.read = read
         self.key_q, self.value_q, self.policy = key_q, value_q, policy
         self.key_spec, self.value_spec = key_q.spec, value_q.spec
         self.sched_k, self.sched_v = policy.schedule("key"), policy.schedule("value")
@@ -340,8 +403,10 @@ class QuantizedKVLayer(DynamicLayer):
                        "value": _TensorStore("value", value_q, self.sched_v)}
         for store in self.stores.values():
             store.rows_index = self.rows_index
-        # (cos, sin) [batch, capacity, head_dim] of the stored positions (only when a transform needs_rope)
+        # (cos, sin) [batch, rope_capacity, head_dim] of the stored positions from ``rope_base`` on (only when a
+        # transform needs_rope: pre-RoPE keys are read back through them)
         self.rope_buf: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope_base = self.rope_capacity = 0
 
     # --- buffers ---------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -352,7 +417,11 @@ class QuantizedKVLayer(DynamicLayer):
             raise KvevalError(f"left_padding has {len(pads)} rows; the batch has {B}")
         self.pads = pads
         self._all_rows = tuple(range(B))
-        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]  # transformers reads dtype/device
+        # transformers reads dtype/device; fresh empty tensors (a view of key_states would keep its storage alive)
+        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
+        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
+        for store, x in ((self.stores["key"], key_states), (self.stores["value"], value_states)):
+            store.shape = (x.shape[1], x.shape[3], x.dtype)
         self.is_initialized = True
 
     def rows_index(self, rows: tuple[int, ...]):
@@ -361,51 +430,136 @@ class QuantizedKVLayer(DynamicLayer):
             return slice(None)
         return torch.tensor(rows, device=self.device)
 
-    def _ensure_room(self, n_after: int, key_states: torch.Tensor, value_states: torch.Tensor, rope) -> None:
-        """Make the buffers hold positions up to ``n_after``: allocate them at the first call (``reserve`` or twice
-        the prompt), else drop the evicted front and/or double the capacity (amortised O(1) per position)."""
+    def _ensure_room(self, n_after: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Make the read buffers hold positions up to ``n_after`` (the buffered path): allocate them at the first
+        call (``reserve`` or twice the prompt), else drop the evicted front and/or double the capacity (amortised
+        O(1) per position)."""
         if n_after - self.base <= self.capacity:
             return
         live = self.evicted  # positions before ``evicted`` are never read nor quantized again
-        need = n_after - live
-        if not self.capacity:
-            capacity = max(need, self.reserve or 2 * need, 16)
-        else:
-            capacity = self.capacity if need <= self.capacity else max(need, 2 * self.capacity)
-        start, stop = live - self.base, self.n_stored - self.base
-
-        def moved(buf: torch.Tensor | None, like: torch.Tensor, dim: int) -> torch.Tensor:
-            shape = list(like.shape)
-            shape[dim] = capacity
-            new = like.new_empty(shape)
-            if buf is not None and stop > start:
-                src = buf.narrow(dim, start, stop - start)
-                new.narrow(dim, 0, stop - start).copy_(src)
-            return new
-
+        capacity = _grown_capacity(self.capacity, n_after - live, self.reserve)
         for store, x in ((self.stores["key"], key_states), (self.stores["value"], value_states)):
             store.apply_pending(self.base)
-            store.view = moved(store.view, x, 2)
+            store.view = _moved(store.view, x, 2, live - self.base, self.n_stored - self.base, capacity)
             if store.q.reads_transformed and not store.q.is_none:
-                store.raw = moved(store.raw, x, 2)
-        if rope is not None:
-            old = self.rope_buf
-            self.rope_buf = (moved(None if old is None else old[0], rope[0].expand(len(self.pads), -1, -1), 1),
-                             moved(None if old is None else old[1], rope[1].expand(len(self.pads), -1, -1), 1))
+                store.raw = _moved(store.raw, x, 2, live - self.base, self.n_stored - self.base, capacity)
         self.base, self.capacity = live, capacity
 
-    # --- reads -------------------------------------------------------------------------------------------------
-    def _read_one(self, kind: str) -> torch.Tensor:
-        """Everything held of ``kind`` (``"key"``/``"value"``), as attention reads it: positions ``[evicted, n)``,
-        ``[batch, kv_heads, n - evicted, head_dim]`` (a view of the read buffer)."""
+    def _grow_rope(self, n_after: int, rope) -> None:
+        """Make ``rope_buf`` hold the positions up to ``n_after``: as ``_ensure_room`` the read buffers (buffered),
+        or exactly those positions (lean: the table is then 2 x head_dim values per held position)."""
+        if n_after - self.rope_base <= self.rope_capacity:
+            return
+        live, old = self._rope_live(), self.rope_buf
+        if self.read == "lean":
+            capacity = n_after - live
+        else:
+            capacity = _grown_capacity(self.rope_capacity, n_after - live, self.reserve)
+        start, stop = live - self.rope_base, self.n_stored - self.rope_base
+        self.rope_buf = tuple(  # type: ignore[assignment]
+            _moved(None if old is None else old[i], rope[i].expand(len(self.pads), -1, -1), 1, start, stop,
+                   capacity) for i in (0, 1))
+        self.rope_base, self.rope_capacity = live, capacity
+
+    def _rope_live(self) -> int:
+        """The first position whose (cos, sin) may be read again: the window's first, or the first of a token
+        block still stored (per-channel statistics keep a block while any of its tokens is in the window)."""
+        firsts = [p.start for store in self.stores.values() for p in store.pieces if store.q.needs_rope]
+        return min([self.evicted, *firsts])
+
+    def rope_at(self, index, start: int, end: int):
+        """(cos, sin) of stored positions ``[start, end)`` of the rows ``index``, or None without pre-RoPE."""
+        if self.rope_buf is None:
+            return None
+        b = self.rope_base
+        return self.rope_buf[0][index, start - b:end - b], self.rope_buf[1][index, start - b:end - b]
+
+    # --- the lean read path ----------------------------------------------------------------------------------
+    def read_back(self, store: _TensorStore, piece: _Piece) -> torch.Tensor:
+        """What attention reads at ``piece``'s positions, from its packed codes (``[rows, kv_heads, tokens,
+        head_dim]``): unpacked, dequantized and read back through the transforms, as ``StoredChunk.store``
+        computed it."""
+        rope = self.rope_at(self.rows_index(piece.rows), piece.start, piece.end) if store.q.needs_rope else None
+        return store.q.read_back(piece.chunk.read_storage(), rope)
+
+    def _assembled(self, store: _TensorStore, n_after: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lean path: ``store``'s read buffer (and ``raw``) for positions ``[evicted, n_after)``, built from what
+        it holds: the full-precision tokens as they are, the quantized ones read back from their codes, padding
+        positions zero (masked, they weigh exactly 0); positions ``[n, n_after)`` are left for the call to write."""
+        assert store.shape is not None
+        base = self.evicted
+        heads, dim, dtype = store.shape
+        # every position of a row is written below or by the call (sinks, pieces, tails, new tokens) but padding
+        shape = (len(self.pads), heads, n_after - base, dim)
+        view = (torch.zeros if any(self.pads) else torch.empty)(shape, dtype=dtype, device=self.device)
+        # raw is read only at positions still in full precision, which the tails and the call write
+        raw = torch.empty_like(view) if store.q.reads_transformed and not store.q.is_none else None
+        for rows, start, values in store.tails:
+            index, lo, hi = self.rows_index(rows), start - base, self.n_stored - base
+            if raw is not None:
+                raw[index, :, lo:hi] = values
+                values = store.q.full_precision(values, self.rope_at(index, start, self.n_stored))
+            view[index, :, lo:hi] = values
+        for row, start, values in store.sinks:
+            view[row:row + 1, :, start - base:start - base + values.shape[2]] = values
+        for p in store.pieces:
+            first = max(p.start, base)
+            if p.end > first:
+                view[self.rows_index(p.rows), :, first - base:p.end - base] = \
+                    self.read_back(store, p)[:, :, first - p.start:]
+        return view, raw
+
+    def _materialize(self, n_after: int) -> None:
+        """The lean path at the start of a call: transient read buffers for positions ``[evicted, n_after)``
+        (``_assembled``), which the call fills and ``_release`` drops."""
+        for store in self.stores.values():
+            store.pending.clear()  # the codes hold them: read back
+            store.view, store.raw = self._assembled(store, n_after)
+        self.base, self.capacity = self.evicted, n_after - self.evicted
+
+    def held(self, kind: str) -> torch.Tensor:
+        """Everything held of ``kind`` (``"key"``/``"value"``) as attention reads it: positions ``[evicted, n)``,
+        ``[batch, kv_heads, n - evicted, head_dim]`` (a view of the read buffer, or, lean, assembled from the codes
+        and the full-precision tokens)."""
         store = self.stores[kind]
+        if store.view is None:
+            return self._assembled(store, self.n_stored)[0]
         store.apply_pending(self.base)
-        assert store.view is not None
         return store.view[:, :, self.evicted - self.base:self.n_stored - self.base]
 
-    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._read_one("key"), self._read_one("value")
+    def _release(self) -> None:
+        """The lean path at the end of a call: keep, per tensor and row, only what is not quantized (its sinks and
+        its positions from where its quantized tokens end; no padding), exactly sized; drop the read buffers."""
+        base, lo = self.base, self.evicted
+        for store in self.stores.values():
+            assert store.view is not None
+            S = store.sched.sink_tokens
+            starts: dict[int, list[int]] = {}
+            sinks = []
+            for b, pad in enumerate(self.pads):
+                n = self.n_stored - pad
+                q_end = 0 if store.q.is_none else _quantized_end(store.sched, n, (self.prompt or 1) - pad)
+                if q_end <= S:  # nothing of this row is quantized: all of it is held as is
+                    starts.setdefault(max(pad, lo), []).append(b)
+                    continue
+                starts.setdefault(max(pad + q_end, lo), []).append(b)
+                if pad + S > max(pad, lo):
+                    sinks.append((b, max(pad, lo), pad + S))
+            src = store.raw if store.raw is not None else store.view
+            store.tails = [(tuple(rows), start, src[self.rows_index(tuple(rows)), :, start - base:self.n_stored - base]
+                            .clone()) for start, rows in starts.items() if start < self.n_stored]
+            store.sinks = [(b, first, store.view[b:b + 1, :, first - base:end - base].clone())
+                           for b, first, end in sinks]
+            store.view = store.raw = None
+            store.pending.clear()
+        self.capacity = 0
+        live = self._rope_live()
+        if self.rope_buf is not None and self.rope_base < live:  # the window moved on: keep what is read again
+            cut = live - self.rope_base
+            self.rope_buf = (self.rope_buf[0][:, cut:].clone(), self.rope_buf[1][:, cut:].clone())
+            self.rope_base, self.rope_capacity = live, self.rope_capacity - cut
 
+    # --- reads -------------------------------------------------------------------------------------------------
     @property
     def chunks_k(self) -> list[_StoredRun]:
         """The quantized key storage, piece by piece (``read()`` / ``read_storage()`` / ``nbytes()``)."""
@@ -464,12 +618,17 @@ class QuantizedKVLayer(DynamicLayer):
                 raise KvevalError(f"rows {short} of the batch are all padding ({n1} positions); give every row a token")
         prefill_fp = self.policy.prefill == "fp" and n_new > 1
         new_rope = rope_for(self.module, key_states.shape[-1], self.key_q, self.value_q) if self.needs_rope else None
-        self._ensure_room(n1, key_states, value_states, new_rope)
-        base, ev = self.base, self.evicted
         if new_rope is not None:
+            self._grow_rope(n1, new_rope)
             assert self.rope_buf is not None
-            self.rope_buf[0][:, n0 - base:n1 - base] = new_rope[0]
-            self.rope_buf[1][:, n0 - base:n1 - base] = new_rope[1]
+            rb = self.rope_base
+            self.rope_buf[0][:, n0 - rb:n1 - rb] = new_rope[0]
+            self.rope_buf[1][:, n0 - rb:n1 - rb] = new_rope[1]
+        if self.read == "lean":
+            self._materialize(n1)
+        else:
+            self._ensure_room(n1, key_states, value_states)
+        base, ev = self.base, self.evicted
 
         # store the new positions in full precision (as attention reads them; x itself in ``raw`` if that differs)
         fresh = {}
@@ -497,6 +656,8 @@ class QuantizedKVLayer(DynamicLayer):
                 read = self._single_token_rows(store, read, n0, n1)
             out.append(read)
         self._evict()
+        if self.read == "lean":
+            self._release()  # ``out`` keeps the transient buffers alive until attention has read them
         return out[0], out[1]
 
     def _single_token_rows(self, store: _TensorStore, read: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
@@ -559,11 +720,7 @@ class QuantizedKVLayer(DynamicLayer):
             for part in parts:
                 index = self.rows_index(part)
                 x = store.source()[index, :, start - base:end - base]
-                rope = None
-                if q.needs_rope:
-                    assert self.rope_buf is not None
-                    rope = (self.rope_buf[0][index, start - base:end - base],
-                            self.rope_buf[1][index, start - base:end - base])
+                rope = self.rope_at(index, start, end) if q.needs_rope else None
                 chunk = StoredChunk.store(x, q, channel_block, rope)
                 decoded, chunk.decoded = chunk.decoded, None
                 assert decoded is not None
@@ -582,7 +739,7 @@ class QuantizedKVLayer(DynamicLayer):
             return
         self.evicted = lo
         for store in self.stores.values():
-            store.evict(lo)
+            store.evict(lo, copy=self.read == "lean")
 
     # --- bookkeeping -----------------------------------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -598,7 +755,8 @@ class QuantizedKVLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.__init__(self.key_q, self.value_q, self.policy, self.is_sliding, self.module, self.implementation,
-                      self.window, left_padding=self.left_padding, reserve=self.reserve, plans=self.plans)
+                      self.window, left_padding=self.left_padding, reserve=self.reserve, plans=self.plans,
+                      read=self.read)
 
     def _full_precision_tokens(self, store: _TensorStore) -> int:
         """Real tokens of ``store``'s kind held in full precision, summed over the rows: sinks and residual window
@@ -622,9 +780,9 @@ class QuantizedKVLayer(DynamicLayer):
         if not self.is_initialized:
             return {**out, "total": 0}
         for store in self.stores.values():
-            assert store.view is not None
-            H, D = store.view.shape[1], store.view.shape[3]
-            out["residual"] += self._full_precision_tokens(store) * H * D * store.view.element_size()
+            assert store.shape is not None
+            H, D, dtype = store.shape
+            out["residual"] += self._full_precision_tokens(store) * H * D * dtype.itemsize
             codes, scales = store.nbytes()
             out["codes"] += codes
             out["scales"] += scales
@@ -715,8 +873,10 @@ class QuantizedKVCache(Cache):
     ``left_padding``: per row, the padding positions before its first token (the module docstring, "Batches and
     left padding"); None: read from the ``attention_mask`` of the first forward call of ``model`` that receives
     this cache (``model.generate`` passes it), every row starting at position 0 when there is none.
-    ``max_length``: positions to allocate at the first call (prompt + new tokens; the buffers grow by doubling
-    otherwise).
+    ``max_length``: positions the buffered read path allocates at the first call (prompt + new tokens; its buffers
+    grow by doubling otherwise). ``read``: ``"lean"`` (holds what ``nbytes()`` bills, dequantizes a layer's history
+    at each call) or ``"buffered"`` (also keeps every token's read-back value: faster, more memory than a
+    DynamicCache); the same numbers (the module docstring).
 
     K/V transforms (``policy.transform_sequence()``) act through the layers' ``TensorQuantizer``s, as in
     ``emulate``. When a transform hooks the query or the attention output (e.g. a rotation that keeps the cache
@@ -727,7 +887,9 @@ class QuantizedKVCache(Cache):
     """
 
     def __init__(self, model, policy: KVPolicy, *, left_padding: Sequence[int] | torch.Tensor | None = None,
-                 max_length: int | None = None):
+                 max_length: int | None = None, read: str = "lean"):
+        if read not in READ_PATHS:
+            raise KvevalError(f"read must be one of {', '.join(READ_PATHS)}; got {read!r}")
         mq = model_quantizers(model, policy, real_cache=True)
         arch = mq.arch
         hooked = any(q.hooks_attention for pair in mq.quantizers.values() for q in pair)
@@ -754,14 +916,14 @@ class QuantizedKVCache(Cache):
             k_q, v_q = mq.quantizers[i]
             kwargs = dict(is_sliding=window is not None, module=mq.modules[i],
                           implementation=base if k_q.hooks_attention or v_q.hooks_attention else None,
-                          window=window, left_padding=left_padding, reserve=max_length, plans=plans)
+                          window=window, left_padding=left_padding, reserve=max_length, plans=plans, read=read)
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 layers.append(QuantizedHybridLayer(k_q, v_q, policy, number_of_states=layer.number_of_states,
                                                    **kwargs))
             else:
                 layers.append(QuantizedKVLayer(k_q, v_q, policy, **kwargs))
         super().__init__(layers=layers)
-        self.policy = policy
+        self.policy, self.read = policy, read
         self.left_padding = None if left_padding is None else list(left_padding)
         attending = {mq.modules[i]: la for i, la in enumerate(layers)
                      if isinstance(la, QuantizedKVLayer) and la.implementation}
@@ -793,6 +955,12 @@ class QuantizedKVCache(Cache):
         handle = model.register_forward_pre_hook(before, with_kwargs=True)
         weakref.finalize(self, handle.remove)
 
+    def rope_table_nbytes(self) -> int:
+        """Bytes of the (cos, sin) tables that layers with pre-RoPE keys hold besides ``nbytes()`` (the module
+        docstring: an engine recomputes them from the positions)."""
+        return sum(2 * la.rope_buf[0].numel() * la.rope_buf[0].element_size() for la in self.layers
+                   if isinstance(la, QuantizedKVLayer) and la.rope_buf is not None)
+
     def nbytes(self) -> dict:
         """Bytes held by all layers: ``codes``, ``scales``, ``residual`` and ``total`` of the K/V, and, for a model
         with linear-attention / Mamba layers, ``state``: their conv and recurrent states (full precision, not in
@@ -805,6 +973,38 @@ class QuantizedKVCache(Cache):
         if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.layers):
             total["state"] = sum(state_nbytes(layer) for layer in self.layers)
         return total
+
+
+def resident_nbytes(cache, exclude: Sequence[torch.Tensor] = ()) -> int:
+    """Bytes of the tensors ``cache`` holds between calls, each storage counted once (a view counts its whole
+    storage: what keeping it keeps alive). Walks the cache's layers and their stores (or any tuple, list or dict of
+    them); the model's modules and the quantizers (the policy's, not the cache's) are not counted, nor the
+    storages of ``exclude`` (e.g. the model's own key/value tensors a call received)."""
+    seen: dict[tuple, int] = {}
+    visited: set[int] = set()
+
+    def walk(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            seen[(st.data_ptr(), obj.device.type)] = st.nbytes()
+            return
+        if id(obj) in visited or isinstance(obj, torch.nn.Module | TensorQuantizer | KVPolicy | str | int | float):
+            return
+        visited.add(id(obj))
+        if isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                walk(v)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("kveval.", "transformers.")):
+            for v in vars(obj).values():
+                walk(v)
+
+    walk(cache)
+    for t in exclude:
+        seen.pop((t.untyped_storage().data_ptr(), t.device.type), None)
+    return sum(seen.values())
 
 
 @torch.no_grad()

@@ -203,7 +203,7 @@ def test_re_quantization_keeps_the_stored_values(tiny_llama):
     for ours, theirs in zip(cache.layers, ref_cache.layers):
         for kind, qt in (("key", theirs._quantized_keys), ("value", theirs._quantized_values)):
             stored = Quantizer.dequantize(*qt)
-            mine = ours._read_one(kind)[:, :, :stored.shape[2]]
+            mine = ours.held(kind)[:, :, :stored.shape[2]]
             assert stored.shape[2] == ours.q_end_k == 34  # 2 + 4 flushes of 8
             ulp = torch.finfo(torch.float32).eps * mine.abs().amax(dim=-1, keepdim=True)
             assert ((stored - mine).abs() <= 8 * ulp).all()

@@ -62,7 +62,7 @@ def test_re_quantization_moves_a_stored_value_by_at_most_an_ulp(tiny_llama):
     for ours, theirs in zip(cache.layers, ref_cache.layers):
         for kind, qt in (("key", theirs._quantized_keys), ("value", theirs._quantized_values)):
             stored = theirs._dequantize(qt)
-            mine = ours._read_one(kind)[:, :, :stored.shape[2]]
+            mine = ours.held(kind)[:, :, :stored.shape[2]]
             assert stored.shape[2] == ours.q_end_k == 33  # 1 + 4 flushes of 8
             # a scale (or min) that moved by an ulp moves x̂ = q * s + min by q ulps of s: bounded by ulps of the
             # group's largest magnitude (the group is a whole head_dim row here)
