@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CACHE="${KVEVAL_CACHE:-$HOME/.cache/kveval}"
+CACHE="${KVEVAL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kveval}"  # as kveval.paths.cache_root
 LLMC_SPEC="${LLMC_SPEC:-llmcompressor==0.14.0.1}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 PYTHON="${PYTHON:-python3}"

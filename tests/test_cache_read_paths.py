@@ -150,3 +150,24 @@ def test_resident_bytes_count_a_view_by_its_storage():
     assert resident_nbytes(cache) == 2 * 10 * 4
     cache.layers[0].keys = big[:10].view(1, 1, 10, 1)
     assert resident_nbytes(cache) == 1000 * 4 + 10 * 4
+
+
+def test_a_reset_lean_cache_decodes_the_same_again():
+    """Reusing one cache object after ``reset()`` (a careless caller's second prompt): the same logits, the same
+    bill, nothing left of the first sequence."""
+    model = build_tiny_model("tiny-gemma3", dtype="float64")
+    ids, mask = _padded_batch(model)
+    policy = KVPolicy.preset("int4_g32")
+    cache = QuantizedKVCache(model, policy, left_padding=[0, 3, 6])
+    kw = cache_kwargs(model, cache)
+    runs = []
+    for _ in range(2):
+        with torch.no_grad():
+            out = [model(ids[:, :9], attention_mask=mask[:, :9], use_cache=True, **kw).logits]
+            for t in range(9, 14):
+                out.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], use_cache=True, **kw).logits)
+        runs.append((torch.cat(out, 1), resident_nbytes(cache), cache.nbytes()["total"]))
+        cache.reset()
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1:] == runs[1][1:] and runs[0][1] == runs[0][2]
+    assert resident_nbytes(cache) == 0

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llmcompressor_reference import MinMaxObserver  # noqa: E402
 
+from kveval.paths import cache_root  # noqa: E402
 from kveval.quant import preset, qparams_from_range  # noqa: E402
 from kveval.scales.ema import ema_ranges  # noqa: E402
 
@@ -73,8 +74,7 @@ def test_the_first_batch_dominates_a_moving_average():
 def llmcompressor_python() -> Path | None:
     """llm-compressor's environment, if the set-up built it (``$KVEVAL_LLMC_PYTHON`` or the cache's default)."""
     given = os.environ.get("KVEVAL_LLMC_PYTHON")
-    cache = Path(os.environ.get("KVEVAL_CACHE", Path.home() / ".cache" / "kveval"))
-    path = Path(given) if given else cache / "venvs" / "llmcompressor-0.14.0.1" / "bin" / "python"
+    path = Path(given) if given else cache_root() / "venvs" / "llmcompressor-0.14.0.1" / "bin" / "python"
     return path if path.is_file() else None
 
 
