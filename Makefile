@@ -12,11 +12,13 @@ setup:
 demo: setup
 	$(VENV)/bin/kveval run configs/int4_g64.yaml
 
+# two workers, one torch thread each (tests/conftest.py), whole test files per worker: 10.7 min here against 21
+# min for one worker of two threads
 test: setup lint
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 test-fast: setup
-	$(VENV)/bin/python -m pytest -q -m "not integration"
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m "not integration"
 
 # the guards CI runs before the tests: ruff on everything, mypy on the typed core (files listed in pyproject.toml)
 lint: setup

@@ -8,6 +8,13 @@ import os
 # wrapped in torch.compile, which on the CPU spends seconds compiling every new sequence length; the tests compare
 # two kveval paths on the same model, so they run those fallbacks eagerly
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# `make test` runs two pytest-xdist workers on CI's two cores: one thread each (and in their subprocesses), since
+# two workers of two torch threads each oversubscribe the cores (measured: no faster than one worker)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
