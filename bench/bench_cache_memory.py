@@ -72,25 +72,6 @@ def _new_cache(model, kind: str, policy):
     return QuantizedKVCache(model, policy, read=kind)
 
 
-def _watch_peak(cache) -> list[int]:
-    """Wrap every layer's ``update`` of ``cache``: record what the cache holds plus what the call returned."""
-    from kveval.patch import resident_nbytes
-
-    peak = [0]
-    for layer in cache.layers:
-        if not hasattr(layer, "update"):
-            continue
-        update = layer.update
-
-        def watched(*a, _update=update, **kw):
-            out = _update(*a, **kw)  # the inputs are the model's tensors (a fused QKV output: Q too), not the cache's
-            peak[0] = max(peak[0], resident_nbytes((cache, out), exclude=a[:2]))
-            return out
-
-        layer.update = watched
-    return peak
-
-
 @torch.no_grad()
 def _decode(model, ids, cache, args) -> tuple[float, float]:
     """Chunked prefill then greedy steps through ``cache``; (prefill seconds, decode seconds)."""
@@ -120,7 +101,7 @@ def _bill(model, policy, tokens: int, prompt: int) -> tuple[int, int]:
 
 
 def measure(args) -> dict:
-    from kveval.patch import resident_nbytes
+    from kveval.patch import resident_nbytes, watch_peak
     from kveval.policy import KVPolicy
 
     model, ids = _setup(args)
@@ -134,7 +115,7 @@ def measure(args) -> dict:
             before = torch.cuda.max_memory_allocated()
         before_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cache = _new_cache(model, args.cache, policy)
-    peak = _watch_peak(cache)
+    peak = watch_peak(cache)
     prefill_s, decode_s = _decode(model, ids, cache, args)
     row.update(resident=resident_nbytes(cache), peak=peak[0], prefill_s=prefill_s, decode_s=decode_s)
     row["nbytes"] = cache.nbytes()["total"] + cache.nbytes().get("state", 0) if hasattr(cache, "nbytes") else None

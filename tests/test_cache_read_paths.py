@@ -14,7 +14,7 @@ from kveval.errors import KvevalError
 from kveval.memory import Arch, kv_bytes
 from kveval.models import build_tiny_model
 from kveval.models.builtin import TINY_FAMILIES
-from kveval.patch import QuantizedKVCache, cache_kwargs, resident_nbytes
+from kveval.patch import QuantizedKVCache, cache_kwargs, resident_nbytes, watch_peak
 from kveval.policy import KVPolicy
 
 
@@ -39,18 +39,7 @@ def _padded_batch(model) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _generate(model, ids, mask, policy: KVPolicy, read: str):
     cache = QuantizedKVCache(model, policy, read=read)
-    peak = [0]
-    for layer in cache.layers:  # what the cache holds plus what each call hands attention
-        if not isinstance(layer, type(cache.layers[0])) or not hasattr(layer, "stores"):
-            continue
-        update = layer.update
-
-        def watched(*a, _update=update, **kw):
-            out = _update(*a, **kw)  # the inputs are the model's tensors (a fused QKV output: Q too), not the cache's
-            peak[0] = max(peak[0], resident_nbytes((cache, out), exclude=a[:2]))
-            return out
-
-        layer.update = watched
+    peak = watch_peak(cache)  # what the cache holds plus what each call hands attention
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
                          output_scores=True, return_dict_in_generate=True, pad_token_id=model.config.pad_token_id,
                          **cache_kwargs(model, cache))

@@ -1007,6 +1007,24 @@ def resident_nbytes(cache, exclude: Sequence[torch.Tensor] = ()) -> int:
     return sum(seen.values())
 
 
+def watch_peak(cache) -> list[int]:
+    """Wrap every layer's ``update`` of ``cache`` to record, at each call, what the cache holds plus what the call
+    returned to attention (``resident_nbytes``; the call's inputs are the model's tensors, not the cache's: a fused
+    QKV output holds Q too). Returns a one-element list holding the largest so far (bytes)."""
+    peak = [0]
+    for layer in cache.layers:
+        if not hasattr(layer, "update"):
+            continue
+
+        def watched(*a, _update=layer.update, **kw):
+            out = _update(*a, **kw)
+            peak[0] = max(peak[0], resident_nbytes((cache, out), exclude=a[:2]))
+            return out
+
+        layer.update = watched
+    return peak
+
+
 @torch.no_grad()
 def decode_logits(model, input_ids: torch.Tensor, policy: KVPolicy, prefill_len: int = 1) -> torch.Tensor:
     """Logits of token-by-token decoding through a real ``QuantizedKVCache``: ``prefill_len`` tokens in one call,
