@@ -368,3 +368,16 @@ def test_an_attention_hook_refuses_soft_capping():
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(KvevalError, match="cannot compute attention with 'softcap'"):
         attention_call(None, v_q)(torch.nn.Module(), q, q, q, None, softcap=50.0)
+
+
+def test_round_p_to_e4m3_is_the_cast_on_sampled_float32():
+    """The four-pass rounding of FA3's P equals the saturating E4M3 cast on every 97th float32 in [0, 256] (all
+    of them were checked once: 1,132,462,081 values, 0 differences), ties and subnormals included, in float64 too."""
+    from kveval.transforms.fa3_fp8_attention import round_p_to_e4m3, round_to_e4m3
+
+    top = int(torch.tensor(256.0).view(torch.int32))
+    x = torch.arange(0, top + 1, 97, dtype=torch.int32).view(torch.float32)
+    ties = torch.tensor([2.0**-10, 3 * 2.0**-10, 2.0**7.5, 136.0, 248.0, 2.0**-6 * (1 + 1 / 16)])
+    for v in (x, ties, ties.double()):
+        assert torch.equal(round_p_to_e4m3(v), round_to_e4m3(v))
+    assert round_p_to_e4m3(ties).tolist()[:4] == [0.0, 2.0**-8, 176.0, 128.0]

@@ -76,6 +76,9 @@ from kveval.quant import QuantSpec
 #: The largest attention mask of one chunk of decoded queries, in entries (bool here; the attention function may
 #: widen it to the query dtype): queries are chunked so that ``chunk rows x key versions x keys`` stays below this.
 MASK_ELEMENTS = 1 << 22
+#: The most decoded queries of one chunk: a chunk attends to the keys up to its last row, so smaller chunks skip
+#: more of the causally masked keys (the way ``is_causal`` does); 256 rows: bench/bench_presets.py
+CHUNK_ROWS = 256
 
 
 def read_ends(schedule: Schedule, T: int, prefill_len: int) -> list[int]:
@@ -279,7 +282,7 @@ class LayerEmulation:
             head = None if attention_mask is None else attention_mask[..., :P, :P]
             outs.append(compute(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)[0])
         versions = 4 if pol.split_modes else 2
-        rows = max(1, MASK_ELEMENTS // (versions * T))
+        rows = max(1, min(CHUNK_ROWS, MASK_ELEMENTS // (versions * T)))
         for start in range(P, T, rows):
             stop = min(start + rows, T)
             out, weights = self._chunk(compute, module, query, key, value, k_hat, v_hat, attention_mask, T, start,
@@ -321,9 +324,15 @@ class LayerEmulation:
             cols = used.nonzero().squeeze(1)
             if cols.numel() == 0:
                 continue
-            keys.append(k.index_select(2, cols))
-            values.append(v.index_select(2, cols))
-            masks.append(m.index_select(-1, cols))
+            first, n = int(cols[0]), len(cols)
+            if int(cols[-1]) - first + 1 == n:  # one run of tokens (the quantized part, a window): views
+                keys.append(k[:, :, first:first + n])
+                values.append(v[:, :, first:first + n])
+                masks.append(m[..., first:first + n])
+            else:
+                keys.append(k.index_select(2, cols))
+                values.append(v.index_select(2, cols))
+                masks.append(m.index_select(-1, cols))
             positions.append(cols)
         mask = attn.inner_mask(torch.cat(masks, dim=-1), self.implementation, query.dtype)
         return compute(module, query[:, :, start:stop], torch.cat(keys, dim=-2), torch.cat(values, dim=-2), mask,

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from kveval.quant.formats.fp8 import _fp8_to_float
 from kveval.transforms.base import KVTransform, TransformContext
@@ -54,6 +55,8 @@ from kveval.transforms.registry import register
 #: log2(P) offset of FA3's FP8 softmax (``Max_offset`` in hopper/flash_fwd_kernel_sm90.h): P in [0, 2^8]
 MAX_OFFSET = 8
 LOG2_E = math.log2(math.e)
+#: query rows computed at once: a block's scores stay near the CPU's caches (bench/bench_presets.py)
+ROW_BLOCK = 64
 
 
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -62,46 +65,105 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return _fp8_to_float(codes, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
-def tile_running_max(scores: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For scores ``[..., Tk]`` (-inf where masked) and each key's tile index ``tiles`` int64 ``[Tk]``: (the running
-    max when the key's tile is processed, ``[..., Tk]``: the max over the scores of tiles >= its tile; the row
-    max ``[..., 1]``). Tiles are processed from the highest index down, as FlashAttention 3 does."""
-    n_tiles = int(tiles.max()) + 1
-    index = tiles.expand(scores.shape)
-    per_tile = scores.new_full((*scores.shape[:-1], n_tiles), -math.inf)
-    per_tile = per_tile.scatter_reduce(-1, index, scores, "amax", include_self=True)
-    running = per_tile.flip(-1).cummax(-1).values.flip(-1)  # running[..., t] = max of tiles t, t+1, ...
-    return running.gather(-1, index), running[..., :1]
+#: float32 bits of 2^-6, E4M3's smallest normal: below it E4M3's step is fixed at 2^-9
+_E4M3_MIN_NORMAL_BITS = 0x3C800000
+#: float32 keeps 23 fraction bits, E4M3 3: an ulp of E4M3 is 2^20 float32 ulps
+_DROPPED_BITS = 23 - 3
+
+
+def round_p_to_e4m3(p: torch.Tensor) -> torch.Tensor:
+    """``round_to_e4m3`` for p in [0, 448] (the softmax's P lies in [0, 256]), in four float32 passes: x + c - c
+    with c = 2^(max(e, -6) + 20), e the exponent of x, rounds x to multiples of 2^(max(e, -6) - 3), E4M3's step
+    at x, ties to even (the float32 addition's own rounding). Checked equal to ``round_to_e4m3`` on every float32
+    in [0, 256] (tests/test_transforms.py samples them)."""
+    x = p.to(torch.float32)
+    c = (x.view(torch.int32).bitwise_and(0x7F800000).clamp_min_(_E4M3_MIN_NORMAL_BITS)
+         .add_(_DROPPED_BITS << 23).view(torch.float32))
+    return (x + c).sub_(c).to(p.dtype)
 
 
 def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                      key_positions: torch.Tensor, scaling: float, block_n: int) -> torch.Tensor:
+                      key_positions: torch.Tensor, scaling: float, block_n: int,
+                      row_block: int = ROW_BLOCK) -> torch.Tensor:
     """FlashAttention 3's FP8 attention (module docstring) on dequantized tensors.
 
     q ``[batch, heads, Tq, head_dim]``; k, v ``[batch, kv_heads, Tk, head_dim]`` (heads a multiple of kv_heads:
     query head h reads kv head h // (heads / kv_heads)); ``allowed`` bool broadcastable to ``[batch, heads, Tq,
     Tk]``; ``key_positions`` int64 ``[Tk]`` (>= 0; keys of one position are versions of one token, of which a query
     sees at most one); ``scaling`` the softmax scale; ``block_n`` keys per tile. Returns ``[batch, heads, Tq,
-    head_dim]`` in q's dtype; a row that sees no key is 0 (as FA3)."""
-    heads, kv_heads, n_keys = q.shape[1], k.shape[1], k.shape[-2]
+    head_dim]`` in q's dtype; a row that sees no key is 0 (as FA3).
+
+    The keys are laid out tile by tile (``tile_layout``), and ``row_block`` query rows are computed at a time over
+    the tiles some row of the block sees (a causal prefill skips the tiles after the block, as FA3 skips the key
+    tiles after a query tile; a tile no row sees adds -inf to the maxima and 0 to the sums)."""
+    heads, kv_heads, n_queries, n_keys = q.shape[1], k.shape[1], q.shape[-2], k.shape[-2]
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
     if key_positions.shape != (n_keys,):
         raise ValueError(f"key_positions must have shape [{n_keys}]; got {tuple(key_positions.shape)}")
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     if n_keys == 0:
-        return q.new_zeros((*q.shape[:-1], v.shape[-1]))
+        return out
     if heads != kv_heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * (scaling * LOG2_E)  # log2 units, [batch, heads, Tq, Tk]
-    scores = scores.masked_fill(~allowed, -math.inf)
-    tiles = torch.div(key_positions.to(device=q.device, dtype=torch.int64), block_n, rounding_mode="floor")
-    tile_max, row_max = tile_running_max(scores, tiles)
-    seen = tile_max > -math.inf  # False only where this key and every key after its tile are masked
-    p = torch.exp2(scores - (torch.where(seen, tile_max, 0.0) - MAX_OFFSET))  # float P in [0, 256], 0 if masked
-    rescale = torch.where(seen, torch.exp2(tile_max - row_max), 0.0)  # the later rescalings of the tile
-    row_sum = (p * rescale).sum(-1, keepdim=True)  # of the unrounded P, as FA3's row_sum
-    out = (round_to_e4m3(p) * rescale) @ v
+    allowed = allowed.expand(*allowed.shape[:-2], n_queries, n_keys)
+    k, v, allowed, width = tile_layout(k, v, allowed, key_positions.to(q.device), block_n)
+    n_tiles = k.shape[-2] // width
+    for start in range(0, n_queries, row_block):
+        rows = slice(start, min(start + row_block, n_queries))
+        seen = allowed[..., rows, :]
+        tiles = seen.reshape(-1, n_tiles, width).any(-1).any(0).nonzero()  # the tiles some row of the block sees
+        if len(tiles) == 0:
+            continue
+        cols = slice(int(tiles[0]) * width, (int(tiles[-1]) + 1) * width)
+        out[..., rows, :] = _fa3_tiles(q[..., rows, :], k[..., cols, :], v[..., cols, :], seen[..., cols], width,
+                                       scaling)
+    return out
+
+
+def tile_layout(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, key_positions: torch.Tensor,
+                block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The keys grouped by FA3 tile (position // block_n) into ``n_tiles`` slots of ``width`` keys each (width:
+    the most keys of one tile, more than ``block_n`` where keys are versions of one token), empty slots padded
+    with zero keys and values that no query sees. k, v ``[batch, heads, Tk, d]``, allowed ``[..., Tq, Tk]``,
+    key_positions int64 ``[Tk]``; returns (k, v ``[batch, heads, n_tiles · width, d]``, allowed ``[..., Tq,
+    n_tiles · width]``, width). Keys in position order from a tile's start (a prefill, a sliding window) move
+    only by the padding."""
+    tiles = torch.div(key_positions, block_n, rounding_mode="floor")
+    tiles = tiles - tiles.min()
+    n_tiles = int(tiles.max()) + 1
+    counts = torch.bincount(tiles, minlength=n_tiles)
+    width = int(counts.max())
+    order = torch.argsort(tiles, stable=True)
+    first_of_tile = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(tiles)
+    slot[order] = torch.arange(len(tiles), device=tiles.device) - first_of_tile[tiles[order]]
+    dest = tiles * width + slot
+    size = n_tiles * width
+    if torch.equal(dest, torch.arange(len(tiles), device=tiles.device)):  # only padding at the end
+        pad = size - len(tiles)
+        return (F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad)), F.pad(allowed, (0, pad), value=False), width)
+    k_out = k.new_zeros((*k.shape[:-2], size, k.shape[-1])).index_copy_(-2, dest, k)
+    v_out = v.new_zeros((*v.shape[:-2], size, v.shape[-1])).index_copy_(-2, dest, v)
+    allowed_out = allowed.new_zeros((*allowed.shape[:-1], size)).index_copy_(-1, dest, allowed)
+    return k_out, v_out, allowed_out, width
+
+
+def _fa3_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, width: int,
+               scaling: float) -> torch.Tensor:
+    """The closed form of the module docstring for q ``[batch, heads, Tq, d]`` over k, v ``[batch, heads, n_tiles ·
+    width, d]`` (GQA expanded, tile by tile: ``tile_layout``), ``allowed`` broadcastable to ``[batch, heads, Tq,
+    n_tiles · width]``."""
+    scores = (q @ k.transpose(-1, -2)).mul_(scaling * LOG2_E).masked_fill_(~allowed, -math.inf)  # log2 units
+    scores = scores.unflatten(-1, (-1, width))  # [batch, heads, Tq, n_tiles, width]
+    # running[..., t]: the max over tiles t, t+1, ... (FA3 processes them from the last), [batch, heads, Tq, n_tiles]
+    running = scores.amax(-1).flip(-1).cummax(-1).values.flip(-1)
+    seen = running > -math.inf  # False only where this tile and every later one are masked
+    p = torch.exp2(scores - (torch.where(seen, running, 0.0) - MAX_OFFSET).unsqueeze(-1))  # P in [0, 256]
+    rescale = torch.where(seen, torch.exp2(running - running[..., :1]), 0.0).unsqueeze(-1)  # later rescalings
+    row_sum = (p.sum(-1, keepdim=True) * rescale).sum(-2)  # of the unrounded P, tile by tile, as FA3's row_sum
+    out = round_p_to_e4m3(p).mul_(rescale).flatten(-2) @ v
     return out * torch.where(row_sum > 0, 1.0 / row_sum, 0.0)
 
 
@@ -124,4 +186,4 @@ class Fa3Fp8Attention(KVTransform):
         return fa3_fp8_attention(q, k, v, allowed, key_positions, scaling, self.block_n)
 
 
-__all__ = ["Fa3Fp8Attention", "MAX_OFFSET", "fa3_fp8_attention", "round_to_e4m3", "tile_running_max"]
+__all__ = ["Fa3Fp8Attention", "MAX_OFFSET", "fa3_fp8_attention", "round_p_to_e4m3", "round_to_e4m3", "tile_layout"]

@@ -289,3 +289,24 @@ def test_builtin_model_parity(builtin_model, nbits, prompt, tokens):
     assert row.tokens == tokens - 1 - prompt
     assert row.ref_kld > 1e-3
     assert row.kld_between <= 0.1 * row.ref_kld, row
+
+
+@pytest.mark.parametrize("g", [4, 32, 64])
+def test_the_per_group_solver_equals_every_group_every_step(g):
+    """Groups leave the working set at their fixed point (kveval.quant.formats.hqq._solve_per_group): the codes,
+    scales and zeros are bit for bit those of running all groups for all 20 steps (the loop before it)."""
+    from kveval.quant.formats.hqq import HQQ_BETA, HQQ_ITERS, HQQ_LP_NORM, hqq_start, shrink_lp
+
+    gen = torch.Generator().manual_seed(g)
+    x = torch.randn(777, g, generator=gen) * torch.rand(777, 1, generator=gen) * 5
+    x[:50] = 0.0
+    for bits in (2, 4):
+        top = 2**bits - 1
+        scale, zero = hqq_start(x, top)
+        for _ in range(HQQ_ITERS):
+            w_q = torch.round(x * scale + zero).clamp_(0, top)
+            w_e = shrink_lp(x - (w_q - zero) / scale, HQQ_BETA, HQQ_LP_NORM)
+            zero = torch.mean(w_q - (x - w_e) * scale, dim=-1, keepdim=True)
+        codes, c, z = hqq_fit(x, bits)
+        assert torch.equal(z, zero) and torch.equal(c, scale)
+        assert torch.equal(codes, torch.round(x * scale + zero).clamp_(0, top))
