@@ -35,8 +35,8 @@ Schedule.read_quantized_end`` of the call that decodes ``t`` (the function the r
 decoded queries run in chunks of rows ``[i, e)`` that attend to the tokens ``[0, e)`` only (the later ones are
 causally masked anyway), each version part keeping only the tokens some row of the chunk reads in that version
 (the full-precision part: sinks and residual window), with masks built from the thresholds: chunks hold at most
-``MASK_ELEMENTS`` mask entries, so the extra memory is O(T) per query row, not O(T^2), a chunk attends to about
-``e`` keys rather than ``2e``, and its softmax is exactly the softmax of its rows over one version of each visible
+``CHUNK_ROWS`` rows and ``MASK_ELEMENTS`` mask entries, so the extra memory is O(T) per query row, not O(T^2), a
+chunk attends to about ``e`` keys rather than ``2e``, and its softmax is exactly the softmax of its rows over one version of each visible
 token (chunking only reorders float rounding).
 
 Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
