@@ -43,6 +43,7 @@ def quiet_libraries_unless_terminal(stream=None) -> bool:
     libraries read at import (:data:`QUIET_ENV`, unless the user set a variable), their loggers at ERROR (transformers'
     at CRITICAL: its errors come before the exception kveval turns into the one line, e.g. a config class refusing a
     value) and their Python warnings ignored. Called before any of them is imported; returns whether it acted."""
+    import importlib
     import logging
     import os
     import warnings
@@ -56,15 +57,17 @@ def quiet_libraries_unless_terminal(stream=None) -> bool:
         logging.getLogger(name).setLevel(logging.CRITICAL if name == "transformers" else logging.ERROR)
     warnings.filterwarnings("ignore", module=r"(transformers|torch|lm_eval|datasets|accelerate|huggingface_hub)")
     # libraries imported already (a library caller, the tests) read the environment before: tell them directly
+    # submodules by import, not attribute: huggingface_hub's lazy __getattr__ has no ``utils`` until it is imported
     if "huggingface_hub" in sys.modules:
-        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+        importlib.import_module("huggingface_hub.utils").disable_progress_bars()
     if "transformers" in sys.modules:
-        tlog = sys.modules["transformers"].utils.logging
+        tlog = importlib.import_module("transformers.utils.logging")
         tlog.disable_progress_bar()
         tlog.set_verbosity(tlog.CRITICAL)
     if "datasets" in sys.modules:
-        sys.modules["datasets"].utils.logging.disable_progress_bar()
-        sys.modules["datasets"].utils.logging.set_verbosity_error()
+        dlog = importlib.import_module("datasets.utils.logging")
+        dlog.disable_progress_bar()
+        dlog.set_verbosity_error()
     if "tqdm" in sys.modules:  # TQDM_DISABLE is read when tqdm is imported: bars made from now on start disabled
         bar = sys.modules["tqdm"].std.tqdm
         if not getattr(bar, "_kveval_quiet", False):

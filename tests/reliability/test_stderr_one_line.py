@@ -78,3 +78,15 @@ def test_a_failure_after_a_gguf_conversion_is_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error:") and "fewer than one window" in lines[-1], proc.stderr
     assert all(line.startswith("kveval: converting") for line in lines[:-1]) and len(lines) <= 2, proc.stderr
+
+
+def test_quieting_after_a_bare_huggingface_hub_import():
+    """A caller that imported huggingface_hub without its utils submodule (its lazy ``__getattr__`` has no
+    ``utils`` then): quieting the libraries must still work. Before, it raised AttributeError, so a bad-input
+    command run through typer's CliRunner exited 1 with that error instead of 2 with its one line."""
+    code = ("import io, sys, huggingface_hub\n"
+            "assert 'huggingface_hub.utils' not in sys.modules\n"
+            "from kveval.cli import quiet_libraries_unless_terminal\n"
+            "print(quiet_libraries_unless_terminal(io.StringIO()))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
