@@ -36,8 +36,8 @@ decoded queries run in chunks of rows ``[i, e)`` that attend to the tokens ``[0,
 causally masked anyway), each version part keeping only the tokens some row of the chunk reads in that version
 (the full-precision part: sinks and residual window), with masks built from the thresholds: chunks hold at most
 ``CHUNK_ROWS`` rows and ``MASK_ELEMENTS`` mask entries, so the extra memory is O(T) per query row, not O(T^2), a
-chunk attends to about ``e`` keys rather than ``2e``, and its softmax is exactly the softmax of its rows over one version of each visible
-token (chunking only reorders float rounding).
+chunk attends to about ``e`` keys rather than ``2e``, and its softmax is exactly the softmax of its rows over one
+version of each visible token (chunking only reorders float rounding).
 
 Shapes: query ``[batch, heads, T, head_dim]``, keys/values ``[batch, kv_heads, T, head_dim]``.
 
