@@ -1,10 +1,16 @@
-"""The harness's own overhead: whole-run time of a config against the time of its bare forward passes.
+"""The harness's own overhead: whole-run time of a config against the time of its bare forward passes, and where
+the rest goes.
 
     .venv/bin/python bench/bench_run_overhead.py [configs/int4_g64.yaml]
 
 Both in one process, after a warm-up: (1) ``run_experiment`` into a fresh temporary folder (model load from the
-warm cache, tokens, windows, metrics, records, aggregation); (2) the same forward passes alone: per window, the
-baseline forward and one emulated forward per policy. Overhead = (1) / (2) - 1.
+warm cache, tokens, calibration, windows, metrics, records, aggregation, the report); (2) the same forward passes
+alone: per window, the baseline forward and one emulated forward per policy. Overhead = (1) / (2) - 1.
+
+During (1) the stages are timed by wrapping the functions the run calls (looked up at call time, so the wrappers
+see every call) and a forward hook on the model times every forward pass inside each stage: printed per stage,
+its wall seconds and the seconds of forward passes in it (calibration runs forwards of its own), then what no
+stage accounts for (records, checks, the summary tables).
 """
 
 from __future__ import annotations
@@ -12,14 +18,88 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 
+import kveval.calibration.calibrate as calibrate_module
+import kveval.models as models_module
+import kveval.report as report_module
+import kveval.tasks.perplexity.task as perplexity_task
 from kveval.commands.run import run_experiment
 from kveval.config import load_config
 from kveval.data import load_tokens, token_windows
 from kveval.models import load_model
 from kveval.patch import emulate
+
+#: (module, function, stage): what the run calls, timed as that stage
+STAGES = (
+    (models_module, "load_model", "model load"),
+    (calibrate_module, "calibrate", "calibration"),
+    (perplexity_task, "_compare", "metrics (NLL, KLD, top-1)"),
+    (perplexity_task, "_summarise", "aggregation (bootstrap)"),
+    (report_module, "write_run_report", "report (tables, plots)"),
+)
+
+
+class StageClock:
+    """Wall seconds per stage and forward-pass seconds per stage (``forward`` outside any stage: scoring)."""
+
+    def __init__(self):
+        self.wall: dict[str, float] = defaultdict(float)
+        self.forward: dict[str, float] = defaultdict(float)
+        self.active: list[str] = []
+        self._start: list[float] = []
+
+    def wrap(self, module, name: str, stage: str):
+        original = getattr(module, name)
+
+        def timed(*args, **kwargs):
+            self.active.append(stage)
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.wall[stage] += time.perf_counter() - t0
+                self.active.pop()
+
+        setattr(module, name, timed)
+        return original
+
+    def before(self, *_):
+        self._start.append(time.perf_counter())
+
+    def after(self, *_):
+        self.forward[self.active[-1] if self.active else "scoring"] += time.perf_counter() - self._start.pop()
+
+
+@contextmanager
+def timed_stages(clock: StageClock, model):
+    """Wrap the STAGES functions and hook ``model``'s forward (also the copy the run loads: ``load_model`` is
+    wrapped to hook what it returns)."""
+    originals = [(m, n, clock.wrap(m, n, s)) for m, n, s in STAGES]
+    hooks = []
+
+    def hook(module):
+        hooks.append(module.register_forward_pre_hook(clock.before))
+        hooks.append(module.register_forward_hook(clock.after))
+
+    loader = models_module.load_model
+
+    def load_and_hook(*args, **kwargs):
+        loaded = loader(*args, **kwargs)
+        hook(loaded[0])
+        return loaded
+
+    models_module.load_model = load_and_hook
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, n, original in originals:
+            setattr(m, n, original)
 
 
 def main() -> None:
@@ -34,8 +114,10 @@ def main() -> None:
         with torch.no_grad():
             model(windows[0].input_ids[None])  # warm-up
 
+        clock = StageClock()
         t0 = time.perf_counter()
-        run_experiment(cfg, quiet=True)
+        with timed_stages(clock, model):
+            run_experiment(cfg, quiet=True)
         whole = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -47,8 +129,18 @@ def main() -> None:
                         model(w.input_ids[None])
         bare = time.perf_counter() - t0
     n = len(windows) * (1 + len(policies))
-    print(f"{path}: {len(windows)} windows x {1 + len(policies)} passes = {n} forward passes, {torch.get_num_threads()} threads")
+    print(f"{path}: {len(windows)} windows x {1 + len(policies)} passes = {n} forward passes, "
+          f"{torch.get_num_threads()} threads")
     print(f"whole run {whole:.1f} s, bare forward passes {bare:.1f} s, harness overhead {100 * (whole / bare - 1):+.1f}%")
+    print(f"{'stage':<28} {'wall s':>8} {'of it forwards s':>17}")
+    scoring = clock.forward.get("scoring", 0.0)
+    print(f"{'scoring forward passes':<28} {scoring:8.1f} {scoring:17.1f}")
+    accounted = scoring
+    for _, _, stage in STAGES:
+        wall = clock.wall.get(stage, 0.0)
+        accounted += wall
+        print(f"{stage:<28} {wall:8.1f} {clock.forward.get(stage, 0.0):17.1f}")
+    print(f"{'the rest (records, checks)':<28} {whole - accounted:8.1f}")
 
 
 if __name__ == "__main__":

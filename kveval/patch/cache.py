@@ -76,7 +76,7 @@ from kveval.patch.quantizers import TensorQuantizer
 from kveval.patch.rope_capture import rope_for
 from kveval.policy import KVPolicy
 from kveval.policy.masks import Schedule
-from kveval.quant import QuantizedTensor, dequantize
+from kveval.quant import QuantizedTensor, dequantize, dequantize_into
 
 
 @dataclass
@@ -142,6 +142,12 @@ class StoredChunk:
         head_dim]``."""
         spec = self.qt.spec
         return dequantize(replace(self.qt, codes=spec.fmt.unpack(self.packed, spec, self.n_codes)))
+
+    def read_storage_into(self, out: torch.Tensor) -> None:
+        """``out[...] = read_storage()`` without a temporary of the tokens' size (``out``: a slice of a read
+        buffer, ``[batch, kv_heads, tokens, head_dim]``): the lean path's decode step."""
+        spec = self.qt.spec
+        dequantize_into(replace(self.qt, codes=spec.fmt.unpack(self.packed, spec, self.n_codes)), out)
 
     def read(self) -> torch.Tensor | None:
         return self.decoded
@@ -504,9 +510,13 @@ class QuantizedKVLayer(DynamicLayer):
             view[row:row + 1, :, start - base:start - base + values.shape[2]] = values
         for p in store.pieces:
             first = max(p.start, base)
-            if p.end > first:
-                view[self.rows_index(p.rows), :, first - base:p.end - base] = \
-                    self.read_back(store, p)[:, :, first - p.start:]
+            if p.end <= first:
+                continue
+            index = self.rows_index(p.rows)
+            if isinstance(index, slice) and first == p.start and store.q.reads_back_stored:
+                p.chunk.read_storage_into(view[:, :, first - base:p.end - base])  # no transform: in place
+            else:
+                view[index, :, first - base:p.end - base] = self.read_back(store, p)[:, :, first - p.start:]
         return view, raw
 
     def _materialize(self, n_after: int) -> None:

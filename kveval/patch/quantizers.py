@@ -52,6 +52,11 @@ class TensorQuantizer:
         return any(t.needs_rope for t in (*chain.domain, *chain.hook_transforms))
 
     @property
+    def reads_back_stored(self) -> bool:
+        """Whether attention reads the dequantized storage as it is (no transform acts on this tensor)."""
+        return not self.transforms.transforms
+
+    @property
     def reads_transformed(self) -> bool:
         """Whether full-precision tokens must be moved into a transform's domain before attention reads them."""
         return bool(self.transforms.domain)

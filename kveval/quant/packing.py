@@ -6,6 +6,7 @@ Used by the formats' default `pack` / `unpack` (`kveval.quant.formats.base.Quant
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -49,6 +50,31 @@ def pack(codes: torch.Tensor, bits: int, *, signed: bool | None = None) -> torch
     return (stream.reshape(*u.shape[:-1], nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
 
 
+#: the integer dtype as wide as the codes of one byte written one per byte: 2, 4 or 8 codes per byte
+_WORD = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _spread(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes of uint8 ``packed`` [..., m] (1, 2 or 4 bits), one per byte: uint8 [..., m * 8 // bits].
+
+    Each byte is widened to an integer of 8 // bits bytes in which the codes are spread apart by halves (code k
+    moves from bit k*bits to bit 8k: the upper half of each group of G codes shifts by G/2 * (8 - bits), then a
+    mask keeps both halves), so that the integer's bytes, in memory order on a little-endian machine, are the
+    codes in `pack`'s order. Worked (4 bits): byte 0x21 -> int16 0x0021 | 0x0210 = 0x0231, & 0x0F0F = 0x0201:
+    bytes [1, 2]. About 2x faster than stacking one tensor per code, whose interleaving copy dominates."""
+    per = 8 // bits
+    x = packed.reshape(-1).to(_WORD[per])  # flat: a view of its bytes needs a unit stride
+    tmp = torch.empty_like(x)
+    group = per
+    while group > 1:
+        half = group // 2
+        keep = sum(((1 << half * bits) - 1) << (j * half * 8) for j in range(per // half))
+        torch.bitwise_left_shift(x, half * (8 - bits), out=tmp)
+        x.bitwise_or_(tmp).bitwise_and_(keep)
+        group = half
+    return x.view(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
 def unpack(packed: torch.Tensor, bits: int, n: int, *, signed: bool = False) -> torch.Tensor:
     """Inverse of `pack`: uint8 [..., ceil(n*bits/8)] -> codes [..., n], int8 if `signed` else uint8."""
     if not 1 <= bits <= 8:
@@ -60,7 +86,9 @@ def unpack(packed: torch.Tensor, bits: int, n: int, *, signed: bool = False) -> 
     per = 8 // bits
     if bits == 8:
         u = packed.clone()
-    elif 8 % bits == 0 and n % per == 0:  # one pass per code of a byte (about 2x faster than a broadcast shift)
+    elif 8 % bits == 0 and n % per == 0 and sys.byteorder == "little":  # 1, 2, 4 bits
+        u = _spread(packed, bits)
+    elif 8 % bits == 0 and n % per == 0:  # one pass per code of a byte
         mask = 2**bits - 1
         parts = [packed & mask] + [(packed >> (k * bits)) & mask for k in range(1, per - 1)] + [packed >> (8 - bits)]
         u = torch.stack(parts, dim=-1).reshape(*lead, n)

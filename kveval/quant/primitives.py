@@ -47,7 +47,7 @@ from .packing import pack, unpack
 from .spec import QuantSpec
 
 __all__ = [
-    "QParams", "QuantizedTensor", "choose_qparams", "quantize", "dequantize", "fake_quantize", "pack", "unpack",
+    "QParams", "QuantizedTensor", "choose_qparams", "quantize", "dequantize", "dequantize_into", "fake_quantize", "pack", "unpack",
     "packed_nbytes", "qparams_from_range", "split_outliers",
 ]
 
@@ -179,6 +179,15 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
     if qt.codes.numel() == 0:
         return torch.empty(tuple(qt.shape), dtype=qt.dtype)
     return qt.spec.fmt.dequantize_tensor(qt)
+
+
+def dequantize_into(qt: QuantizedTensor, out: torch.Tensor) -> None:
+    """``out[...] = dequantize(qt)`` (``out`` of ``qt``'s shape and dtype, a view of a larger buffer allowed), by the
+    format's in-place path where it has one (`QuantFormat.dequantize_into`): bit for bit the same values."""
+    if qt.spec.is_none:
+        out.copy_(qt.codes)
+    elif qt.codes.numel():
+        qt.spec.fmt.dequantize_into(qt, out)
 
 
 def fake_quantize(

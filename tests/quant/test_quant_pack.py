@@ -39,6 +39,21 @@ def test_layouts_by_hand():
     assert pack(torch.tensor([-1, 2], dtype=torch.int64), 3, signed=True).tolist() == [3 | 6 << 3]
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("signed", [False, True])
+def test_unpack_of_every_byte_is_the_bitstream_definition(bits, signed):
+    """Every byte value, as the bitstream of `pack`'s docstring reads it bit by bit in Python (the table lookup
+    of 1, 2 and 4 bits, the copy of 8), in a transposed (non-contiguous) tensor as well."""
+    per, off = 8 // bits, 2 ** (bits - 1) if signed else 0
+    want = [[((b >> (k * bits)) & (2**bits - 1)) - off for k in range(per)] for b in range(256)]
+    packed = torch.arange(256, dtype=torch.uint8).reshape(2, 128, 1)
+    got = unpack(packed, bits, per, signed=signed)
+    assert got.dtype == (torch.int8 if signed else torch.uint8) and got.reshape(256, per).tolist() == want
+    wide = torch.arange(256, dtype=torch.uint8).reshape(4, 64).t()  # [64, 4] non-contiguous
+    flat = unpack(wide, bits, 4 * per, signed=signed).tolist()
+    assert flat == [sum((want[wide[r, c].item()] for c in range(4)), []) for r in range(64)]
+
+
 def test_out_of_range_codes_raise():
     with pytest.raises(ValueError, match="do not fit unsigned 4-bit"):
         pack(torch.tensor([16], dtype=torch.uint8), 4)

@@ -10,6 +10,7 @@ from kveval.quant import (
     QuantSpec,
     choose_qparams,
     dequantize,
+    dequantize_into,
     fake_quantize,
     preset,
     preset_names,
@@ -322,3 +323,21 @@ def test_empty_sequence():
     for name in ("int8", "int4_g32", "int2_channel", "q4_0", "fp8_e4m3"):
         assert fake_quantize(x, preset(name)).shape == x.shape
         assert dequantize(quantize(x, preset(name))).shape == x.shape
+
+
+@pytest.mark.parametrize("name", preset_names())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_dequantize_into_a_slice_of_a_buffer_is_dequantize_bit_for_bit(name, dtype):
+    """The lean cache's read: `dequantize_into` a strided slice of a larger buffer writes exactly `dequantize`'s
+    values there (every preset; IntFormat's in-place path and the default copy) and nothing outside it."""
+    spec = preset(name)
+    D = 128
+    if spec.granularity == "group" and D % spec.group_size:
+        pytest.skip("group does not divide head_dim")
+    x = torch.randn(2, 3, 37, D, generator=torch.Generator().manual_seed(7)).to(dtype)
+    qt = quantize(x, spec, channel_block=16)
+    buf = torch.full((2, 3, 50, D), float("nan"), dtype=dtype)
+    dequantize_into(qt, buf[:, :, 5:42])
+    want = dequantize(qt)
+    assert torch.equal(buf[:, :, 5:42], want)
+    assert buf[:, :, :5].isnan().all() and buf[:, :, 42:].isnan().all()

@@ -264,6 +264,12 @@ class TensorFormat(ABC):
     def dequantize_tensor(self, qt: Any) -> torch.Tensor:
         """x^ [B, H, T, D] in ``qt.dtype`` from a `QuantizedTensor` this format's `quantize_tensor` produced."""
 
+    def dequantize_into(self, qt: Any, out: torch.Tensor) -> None:
+        """Write `dequantize_tensor` of ``qt`` into ``out`` (``[B, H, T, D]`` of ``qt.dtype``; a view, strided
+        along T as a slice of a read buffer is). Formats that can decode in place override it (`IntFormat`);
+        this default copies."""
+        out.copy_(self.dequantize_tensor(qt))
+
     @abstractmethod
     def tensor_nbytes(self, spec: Spec, shape: tuple[int, int, int, int], dtype: torch.dtype, static: bool,
                       channel_block: int | None = None) -> dict[str, int]:

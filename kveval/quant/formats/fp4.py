@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import torch
 
+from ..packing import unpack
 from .base import QParams, Spec, check_finite, minmax, nonzero, store
 from .segment import QuantFormat
 
@@ -141,8 +142,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_nibbles`: bytes [..., n/2] -> uint8 codes [..., n]."""
-    out = torch.stack([packed & 0xF, packed >> 4], dim=-1)
-    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return unpack(packed, 4, packed.shape[-1] * 2)
 
 
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:

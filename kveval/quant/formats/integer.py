@@ -19,6 +19,8 @@ is half to even (torch.round). Codes are packed as a bitstream of b-bit integers
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .base import SCALE_TORCH_DTYPES, QParams, Spec, nonzero, store, symmetric_qparams
@@ -97,6 +99,18 @@ class IntFormat(QuantFormat):
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                spec: Spec) -> torch.Tensor:
         return self.reconstruct_(codes.to(scale.dtype), scale, zero_point, spec)
+
+    def dequantize_into(self, qt: Any, out: torch.Tensor) -> None:
+        """`dequantize_tensor` without a temporary: the codes converted into ``out``, then `reconstruct_` in place
+        on each segment of ``out`` (views): the same operations on the same values, so the same bits. Outliers,
+        static scales and an ``out`` dtype other than the compute dtype take the default path (a copy)."""
+        if qt.outlier_values is not None or qt.static or not out.dtype == qt.dtype == self.compute_dtype(qt.dtype):
+            return super().dequantize_into(qt, out)
+        out.copy_(qt.codes)
+        s_all = qt.scale.to(out.dtype)
+        zp_all = None if qt.zero_point is None else qt.zero_point.to(out.dtype)
+        for ov, _, sl in qt.spec.gran.segments(out, qt.channel_block):
+            self.reconstruct_(ov, s_all[:, :, sl], None if zp_all is None else zp_all[:, :, sl], qt.spec)
 
     def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         """One min/max pass, then divide, round, clamp, multiply in place on one temporary."""
