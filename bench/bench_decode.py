@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_decode.py [--model builtin:smollm2-135m] [--batch 4] [--prompt 1024]
                                            [--new-tokens 32] [--policies int4_g64,kivi2] [--repeats 2]
                                            [--threads N] [--skip-single] [--cache-from FILE]
-                                           [--reads lean,buffered]
+                                           [--reads lean,buffered] [--stages]
 
 The same ``--batch`` prompts (builtin corpus, lengths ``prompt``, ``prompt - 37``, ``prompt - 2*37`` ...: left
 padding in a batch) are generated greedily, ``--new-tokens`` tokens each (``min_new_tokens`` too: no early stop),
@@ -25,6 +25,11 @@ tokens/s (tokens of all rows / decode seconds) and the ratio of decode tokens/s 
 (1.0 = no overhead). Medians of ``--repeats``, the caches interleaved so that a load change hits them alike. Last,
 whether the batched tokens equal the per-prompt tokens (float32: a padded batch and a single row may round
 differently, and a flip changes the continuation).
+
+``--stages``: where a quantized cache's decode steps go, in milliseconds per step (medians of the repeats, decode
+steps only, batched way): ``assemble`` (the lean path's transient read buffer, all layers), of it ``dequantize`` (each piece's
+codes unpacked and decoded into it), and ``quantize`` (the tokens that leave the residual window: quantize, pack,
+read back).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import argparse
 import functools
 import statistics
 import time
+from collections import Counter
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -40,6 +46,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from kveval.data import load_tokens
 from kveval.models import load_model
 from kveval.patch import QuantizedKVCache, cache_kwargs
+from kveval.patch import cache as cache_module
 from kveval.policy import KVPolicy
 from kveval.tasks._generation import left_padded
 
@@ -53,6 +60,38 @@ class StepClock(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.stamps.append(time.perf_counter())
         return scores
+
+
+class StageTimer:
+    """Milliseconds spent in the cache's stages (``--stages``) during the decode steps of the running
+    ``generate`` (after its first step stamp: the prefill is left out)."""
+
+    STAGES = ((cache_module.QuantizedKVLayer, "_assembled", "assemble"),
+              (cache_module.StoredChunk, "read_storage_into", "dequantize"),
+              (cache_module.QuantizedKVLayer, "_flush", "quantize"))
+
+    def __init__(self):
+        self.seconds: Counter = Counter()
+        self.clock: StepClock | None = None
+        for owner, name, stage in self.STAGES:
+            setattr(owner, name, self._timed(getattr(owner, name), stage))
+
+    def _timed(self, fn, stage: str):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.clock is not None and self.clock.stamps:
+                    self.seconds[stage] += time.perf_counter() - t0
+        return timed
+
+    def start(self, clock: StepClock) -> None:
+        self.seconds.clear()
+        self.clock = clock
+
+
+TIMER: StageTimer | None = None
 
 
 def load_cache_class(path: str):
@@ -73,6 +112,8 @@ def generate(model, ids, mask, new_tokens: int, policy: KVPolicy | None, pad_id:
              cache_class=QuantizedKVCache) -> tuple[torch.Tensor, float, float]:
     """(generated tokens ``[rows, new_tokens]``, prefill seconds, decode seconds)."""
     clock = StepClock()
+    if TIMER is not None:
+        TIMER.start(clock)
     kwargs: dict = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                         pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]))
     if policy is not None:
@@ -94,7 +135,11 @@ def main() -> None:
     ap.add_argument("--skip-single", action="store_true", help="only the batched runs")
     ap.add_argument("--cache-from", default=None, help="another cache.py to time beside this one")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--stages", action="store_true", help="time the cache's stages during the decode steps")
     args = ap.parse_args()
+    global TIMER
+    if args.stages:
+        TIMER = StageTimer()
     if args.threads:
         torch.set_num_threads(args.threads)
     old_cache = load_cache_class(args.cache_from) if args.cache_from else None
@@ -133,9 +178,11 @@ def main() -> None:
             for way in ways:
                 for cache_name, pol, cache_class in caches:
                     out, prefill, decode = run(way, pol, cache_class)
-                    rec = times.setdefault((way, cache_name), {"prefill": [], "decode": []})
+                    rec = times.setdefault((way, cache_name), {"prefill": [], "decode": [], "stages": []})
                     rec["prefill"].append(prefill)
                     rec["decode"].append(decode)
+                    if TIMER is not None:
+                        rec["stages"].append(dict(TIMER.seconds))
                     outputs[(way, cache_name)] = out
         print(f"\npolicy {name}")
         print(f"{'way':8s} {'cache':14s} {'prefill s':>9s} {'decode s':>9s} {'decode tok/s':>12s} {'ratio':>7s}")
@@ -146,6 +193,16 @@ def main() -> None:
         for (way, cache_name), (prefill, decode, rate) in rates.items():
             print(f"{way:8s} {cache_name:14s} {prefill:9.2f} {decode:9.2f} {rate:12.2f} "
                   f"{rate / rates[(way, 'dynamic')][2]:7.3f}")
+        if TIMER is not None:
+            steps = N - 1
+            for (way, cache_name), rec in times.items():
+                if cache_name == "dynamic" or way != "batched":  # single: the timer restarts at every prompt
+                    continue
+                parts = {stage: statistics.median(r.get(stage, 0.0) for r in rec["stages"]) * 1e3 / steps
+                         for _, _, stage in StageTimer.STAGES}
+                step = statistics.median(rec["decode"]) * 1e3 / steps
+                print(f"{way:8s} {cache_name:14s} ms per decode step {step:.1f}: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
         if "single" in ways:
             for cache_name, _, _ in caches:
                 same = torch.equal(outputs[("batched", cache_name)], outputs[("single", cache_name)])

@@ -108,18 +108,29 @@ LLAMA_STATS: tuple[tuple[str, str, bool], ...] = (
 )
 
 
-def llama_token_values(base_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+def base_token_terms(base_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What :func:`llama_token_values` computes from the baseline alone (``[n, vocab]`` logits): ``logp`` (float64
+    log-softmax), ``p`` (its exp) and ``top`` (argmax, ``[n]``). Computed once per window and passed to every
+    policy's comparison, the numbers are the same as recomputing them."""
+    logp = torch.log_softmax(base_logits.double(), dim=-1)
+    return {"logp": logp, "p": logp.exp(), "top": base_logits.argmax(-1)}
+
+
+def llama_token_values(base_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
+                       base_terms: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Per scored token, what llama-perplexity's KL pass computes (``[n]`` float64 each): ``nll`` (the model under
     test), ``nll_base``, ``kld`` = KL(P_base ‖ P), ``p_diff`` = p(target) - p_base(target) (Δp, Q minus base) and
     ``same_top`` (1.0 where the argmax tokens agree: both take the first maximum, as llama.cpp's scans do).
     Inputs ``[n, vocab]``, targets ``[n]``; exact softmaxes in float64 (llama.cpp reads the base from its 16-bit
-    file: :mod:`kveval.parity.kld_base` computes that version)."""
-    base_logp = torch.log_softmax(base_logits.double(), dim=-1)
+    file: :mod:`kveval.parity.kld_base` computes that version). ``base_terms``: :func:`base_token_terms` of
+    ``base_logits``, when the caller keeps them for several comparisons."""
+    base = base_token_terms(base_logits) if base_terms is None else base_terms
+    base_logp = base["logp"]
     logp = torch.log_softmax(logits.double(), dim=-1)
-    kld = (base_logp.exp() * (base_logp - logp)).sum(-1).clamp(min=0.0)
+    kld = (base["p"] * (base_logp - logp)).sum(-1).clamp(min=0.0)
     nll = -logp.gather(-1, targets[:, None]).squeeze(-1)
     nll_base = -base_logp.gather(-1, targets[:, None]).squeeze(-1)
-    same = (base_logits.argmax(-1) == logits.argmax(-1)).double()
+    same = (base["top"] == logits.argmax(-1)).double()
     return {"nll": nll, "nll_base": nll_base, "kld": kld, "p_diff": torch.exp(-nll) - torch.exp(-nll_base),
             "same_top": same}
 

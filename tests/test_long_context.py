@@ -251,6 +251,24 @@ def test_compare_in_row_slices_equals_one_call(monkeypatch):
         assert torch.equal(sliced[k], whole[k]), k
 
 
+def test_baseline_terms_kept_for_a_window_give_the_same_numbers_as_recomputing(monkeypatch):
+    """``BaseTerms``: the baseline's softmax is computed at a window's first comparison and reused by the next
+    policies' (the same slice objects), and every metric equals the recomputed one bit for bit; a batch over the
+    budget recomputes (keeps nothing)."""
+    g = torch.Generator().manual_seed(1)
+    base, targets = torch.randn(37, 50, generator=g), torch.randint(0, 50, (37,), generator=g)
+    monkeypatch.setattr(PERPLEXITY, "COMPARE_ROWS", 8)
+    terms = PERPLEXITY.BaseTerms(keep=True)
+    for seed in range(3):
+        logits = torch.randn(37, 50, generator=torch.Generator().manual_seed(seed))
+        kept, fresh = PERPLEXITY._compare(base, logits, targets, terms), PERPLEXITY._compare(base, logits, targets)
+        assert all(torch.equal(kept[k], fresh[k]) for k in fresh)
+    assert terms.slices is not None and len(terms.slices) == 5 and terms.get(base) is terms.slices
+    spent = PERPLEXITY.BaseTerms(keep=False)
+    spent.get(base)
+    assert spent.slices is None
+
+
 def test_a_window_at_the_model_context_bins_kld_by_absolute_position(tmp_path, monkeypatch):
     """One 2048-token window (the tiny model's context) with chunked masks and sliced comparisons: the task's
     kld_by_position equals an independent computation binned by absolute position in the window."""

@@ -54,6 +54,7 @@ from kveval.policy import KVPolicy
 from kveval.results.layout import BASELINE
 from kveval.stats import (
     add_llama_sums,
+    base_token_terms,
     bin_sums,
     bootstrap_ratio_ci,
     bootstrap_standard_error,
@@ -163,11 +164,39 @@ def resolution_warnings(scored: int, threshold) -> list[str]:
 COMPARE_ROWS = 512
 
 
-def _compare(base: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+#: bytes of the baseline's float64 log-softmax and softmax (16 per logit) a batch keeps for all its policies'
+#: comparisons (``BaseTerms``, off CUDA); a larger batch recomputes them per comparison (the same numbers)
+BASE_TERMS_BUDGET = 2 << 30
+
+
+class BaseTerms:
+    """The baseline's side of a window's comparisons (:func:`kveval.stats.base_token_terms` per ``COMPARE_ROWS``
+    slice), computed at the first comparison and reused by every policy's (``keep``: within
+    ``BASE_TERMS_BUDGET``; else recomputed each time). Without it, each policy recomputed the baseline's float64
+    softmax (bench/bench_run_overhead.py on configs/formats_2026.yaml: comparisons 128 s -> 106 s of a 475 s run)."""
+
+    def __init__(self, keep: bool):
+        self.keep = keep
+        self.slices: list[dict[str, torch.Tensor]] | None = None
+
+    def get(self, base: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        if self.slices is not None:
+            return self.slices
+        slices = [base_token_terms(base[i:i + COMPARE_ROWS]) for i in range(0, base.shape[0], COMPARE_ROWS)]
+        if self.keep:
+            self.slices = slices
+        return slices
+
+
+def _compare(base: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
+             terms: BaseTerms | None = None) -> dict[str, torch.Tensor]:
     """:func:`kveval.stats.llama_token_values` over ``[n, vocab]`` inputs, ``COMPARE_ROWS`` rows at a time
-    (per-row metrics: identical to one call), with ``agree`` (= ``same_top``, :func:`compare_logits`'s name)."""
-    parts = [llama_token_values(base[i:i + COMPARE_ROWS], logits[i:i + COMPARE_ROWS], targets[i:i + COMPARE_ROWS])
-             for i in range(0, base.shape[0], COMPARE_ROWS)]
+    (per-row metrics: identical to one call), with ``agree`` (= ``same_top``, :func:`compare_logits`'s name).
+    ``terms``: the baseline's terms of ``base``, kept across the comparisons of one window."""
+    base_slices = (terms or BaseTerms(keep=False)).get(base)
+    parts = [llama_token_values(base[i:i + COMPARE_ROWS], logits[i:i + COMPARE_ROWS], targets[i:i + COMPARE_ROWS],
+                                base_slices[k])
+             for k, i in enumerate(range(0, base.shape[0], COMPARE_ROWS))]
     out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     out["agree"] = out["same_top"]
     return out
@@ -302,6 +331,9 @@ def _score_batch(ctx, params: Params, batch: list, names: list[str], done, advan
     for i, w in enumerate(batch):
         _check_finite(base[i, scored[i].rows], w, BASELINE, dtype, params.start_token)
     memory.free()
+    # kept off CUDA only: there they would count in every policy pass's peak memory, and a comparison is cheap
+    keep = not _is_cuda(base.device) and sum(len(s.tgt) for s in scored) * base.shape[-1] * 16 <= BASE_TERMS_BUDGET
+    terms = [BaseTerms(keep) for _ in batch]
     for name in names:
         need = [i for i, w in enumerate(batch) if _record_key(w.index, name) not in done]
         for _ in range(len(batch) - len(need)):
@@ -311,7 +343,7 @@ def _score_batch(ctx, params: Params, batch: list, names: list[str], done, advan
         if name == BASELINE:
             for i in need:
                 s = scored[i]
-                metrics = _compare(base[i, s.rows], base[i, s.rows], s.tgt)
+                metrics = _compare(base[i, s.rows], base[i, s.rows], s.tgt, terms[i])
                 ctx.run.append(_with_peak(_window_record(batch[i], name, _cpu(metrics), s.positions, params,
                                                          per_token=False), base_peak))
                 advance(ids.shape[1])
@@ -327,7 +359,7 @@ def _score_batch(ctx, params: Params, batch: list, names: list[str], done, advan
             _check_finite(logits[j, scored[i].rows], batch[i], name, dtype, params.start_token)
         for j, i in enumerate(need):
             s = scored[i]
-            metrics = _compare(base[i, s.rows], logits[j, s.rows], s.tgt)
+            metrics = _compare(base[i, s.rows], logits[j, s.rows], s.tgt, terms[i])
             rec = _with_peak(_window_record(batch[i], name, _cpu(metrics), s.positions, params), peak)
             if params.diagnostics:
                 rec["layers_quantized"] = emu.layers_quantized
