@@ -140,14 +140,17 @@ class StoredChunk:
     def read_storage(self) -> torch.Tensor:
         """Unpack (``spec.fmt.unpack``) and dequantize everything stored: ``[batch, kv_heads, tokens,
         head_dim]``."""
-        spec = self.qt.spec
-        return dequantize(replace(self.qt, codes=spec.fmt.unpack(self.packed, spec, self.n_codes)))
+        return dequantize(self._unpacked())
 
     def read_storage_into(self, out: torch.Tensor) -> None:
         """``out[...] = read_storage()`` without a temporary of the tokens' size (``out``: a slice of a read
         buffer, ``[batch, kv_heads, tokens, head_dim]``): the lean path's decode step."""
+        dequantize_into(self._unpacked(), out)
+
+    def _unpacked(self) -> QuantizedTensor:
+        """The QuantizedTensor with its codes unpacked from ``packed`` (``spec.fmt.unpack``)."""
         spec = self.qt.spec
-        dequantize_into(replace(self.qt, codes=spec.fmt.unpack(self.packed, spec, self.n_codes)), out)
+        return replace(self.qt, codes=spec.fmt.unpack(self.packed, spec, self.n_codes))
 
     def read(self) -> torch.Tensor | None:
         return self.decoded
