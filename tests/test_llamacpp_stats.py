@@ -22,6 +22,7 @@ from kveval.parity import kld_base
 from kveval.parity.llama_perplexity import parse_summary
 from kveval.stats import (
     MDE_FACTOR,
+    LogSoftmaxScratch,
     add_llama_sums,
     binomial_sd_points,
     bootstrap_standard_error,
@@ -96,6 +97,27 @@ def test_token_values_by_hand():
     assert v["nll_base"].item() == pytest.approx(math.log(2))
     assert v["p_diff"].item() == pytest.approx(0.25)  # Q minus base
     assert v["same_top"].item() == 1.0  # a tie in the base: its first maximum, token 0
+
+
+def test_token_values_with_reused_buffers_are_the_same_bits():
+    """The run's comparisons reuse two float64 buffers (``LogSoftmaxScratch``): for slices of several sizes in turn
+    (a larger one after a smaller one reallocates), every value equals the fresh computation bit for bit and none
+    of them aliases the buffers (the next comparison overwrites them)."""
+    g = torch.Generator().manual_seed(3)
+    scratch = LogSoftmaxScratch()
+    kept = []
+    for n in (7, 3, 11, 11):
+        base = torch.randn(n, 50, generator=g) * 3
+        q = base + 0.3 * torch.randn(n, 50, generator=g)
+        targets = torch.randint(0, 50, (n,), generator=g)
+        want = llama_token_values(base, q, targets)
+        got = llama_token_values(base, q, targets, scratch=scratch)
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        kept.append((got, {k: v.clone() for k, v in got.items()}))
+    for got, copy in kept:  # later comparisons left earlier results alone
+        assert all(torch.equal(got[k], copy[k]) for k in got)
 
 
 def _hand_example():

@@ -97,16 +97,19 @@ class StoredChunk:
     decoded: torch.Tensor | None = None
 
     @classmethod
-    def store(cls, x: torch.Tensor, quantizer: TensorQuantizer, channel_block: int | None, rope=None) -> StoredChunk:
+    def store(cls, x: torch.Tensor, quantizer: TensorQuantizer, channel_block: int | None, rope=None,
+              decode: bool = True) -> StoredChunk:
         """Quantize x ``[batch, kv_heads, n, head_dim]`` (``rope``: its ``(cos, sin)`` for pre-RoPE keys) and pack
         the codes through the spec's format, whatever the format. ``decoded`` is read back from the codes before
-        packing (packing is lossless: ``read_storage`` gives the same numbers, which the tests check)."""
+        packing (packing is lossless: ``read_storage`` gives the same numbers, which the tests check); with
+        ``decode`` False it is left None (a caller that reads the tokens back from their codes later)."""
         qt = quantizer.quantize(x, channel_block, rope)
         spec = qt.spec
         packed = spec.fmt.pack(qt.codes, spec)
         chunk = cls(qt=replace(qt, codes=torch.empty(0, dtype=qt.codes.dtype)), packed=packed,
                     n_codes=qt.codes.shape[-1])
-        chunk.decoded = quantizer.read_back(dequantize(qt), rope)
+        if decode:
+            chunk.decoded = quantizer.read_back(dequantize(qt), rope)
         return chunk
 
     @property
@@ -728,16 +731,20 @@ class QuantizedKVLayer(DynamicLayer):
         sched, base = store.sched, self.base
         block = sched.residual if sched.blocks else None
         channel_block = block if q.spec.granularity == "channel" else None
+        # lean and deferred: the next call assembles its read buffer from the codes, so no read-back value is kept
+        lean_later = defer and self.read == "lean"
         for rows, start, end in self._flush_plan(sched, n0, n1):
             parts = [(r,) for r in rows] if q.spec.fmt.whole_tensor and len(rows) > 1 else [rows]
             for part in parts:
                 index = self.rows_index(part)
                 x = store.source()[index, :, start - base:end - base]
                 rope = self.rope_at(index, start, end) if q.needs_rope else None
-                chunk = StoredChunk.store(x, q, channel_block, rope)
+                chunk = StoredChunk.store(x, q, channel_block, rope, decode=not lean_later)
                 decoded, chunk.decoded = chunk.decoded, None
-                assert decoded is not None
                 store.push(_Piece(part, start, end, chunk, self._token_block(q, block, end - start)))
+                if lean_later:
+                    continue
+                assert decoded is not None
                 if defer:
                     store.pending.append((part, start, end, decoded))
                 else:

@@ -84,9 +84,9 @@ def unpack(packed: torch.Tensor, bits: int, n: int, *, signed: bool = False) -> 
         raise ValueError(f"expected uint8 [..., {nbytes}] for {n} {bits}-bit codes; got {packed.dtype} {tuple(packed.shape)}")
     lead = packed.shape[:-1]
     per = 8 // bits
-    if bits == 8:
-        u = packed.clone()
-    elif 8 % bits == 0 and n % per == 0 and sys.byteorder == "little":  # 1, 2, 4 bits
+    if bits == 8:  # u - 128 is u with its top bit flipped, read as int8 (two's complement)
+        return packed.bitwise_xor(0x80).view(torch.int8) if signed else packed.clone()
+    if 8 % bits == 0 and n % per == 0 and sys.byteorder == "little":  # 1, 2, 4 bits
         u = _spread(packed, bits)
     elif 8 % bits == 0 and n % per == 0:  # one pass per code of a byte
         mask = 2**bits - 1
@@ -99,4 +99,4 @@ def unpack(packed: torch.Tensor, bits: int, n: int, *, signed: bool = False) -> 
         u = (stream * weights).sum(-1, dtype=torch.uint8)
     if not signed:
         return u
-    return (u.to(torch.int16) - 2 ** (bits - 1)).to(torch.int8)
+    return u.view(torch.int8).sub_(2 ** (bits - 1))  # in place on the new u: 0..2^bits-1 cannot wrap in int8

@@ -33,7 +33,11 @@ _NARROW_DTYPES = ("float16", "bfloat16")
 
 def non_finite_kind(values: torch.Tensor) -> str | None:
     """None when every element of ``values`` is finite, else what is wrong: ``"NaN"`` (when any element is NaN)
-    or ``"infinity"``."""
+    or ``"infinity"``. A finite sum proves every element finite (one NaN or infinity makes it NaN or infinite), so
+    that one pass without a temporary answers the common case; a sum that overflows falls through to the
+    elementwise check."""
+    if values.is_floating_point() and bool(torch.isfinite(values.sum())):
+        return None
     if bool(torch.isfinite(values).all()):
         return None
     return "NaN" if bool(torch.isnan(values).any()) else "infinity"

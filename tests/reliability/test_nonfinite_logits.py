@@ -219,3 +219,22 @@ def test_lm_eval_nan_metric_is_refused_and_nan_stderr_is_null():
     with pytest.raises(KvevalError, match=r"lm-eval task 't' \(t\) under policy 'int8': metric 'acc' is nan"):
         check_finite_metrics({"t": {"acc": float("nan")}}, "t", "policy 'int8'")
 
+
+
+def test_non_finite_kind_by_hand():
+    """The check's shortcut (a finite sum proves every element finite) and its fall-through: large finite logits
+    whose float32 sum overflows are finite; one NaN, or +inf beside -inf (a NaN sum), is named by its kind."""
+    from kveval.tasks._finite import non_finite_kind
+
+    x = torch.randn(4, 100)
+    assert non_finite_kind(x) is None
+    big = torch.full((4, 100), 3e38)  # finite, sum overflows to inf
+    assert not torch.isfinite(big.sum()) and non_finite_kind(big) is None
+    for bad, kind in ((float("nan"), "NaN"), (float("inf"), "infinity"), (-float("inf"), "infinity")):
+        y = x.clone()
+        y[2, 7] = bad
+        assert non_finite_kind(y) == kind
+    y = x.clone()
+    y[0, 0], y[1, 1] = float("inf"), -float("inf")
+    assert non_finite_kind(y) == "infinity"
+    assert non_finite_kind(torch.tensor([1, 2], dtype=torch.int64)) is None

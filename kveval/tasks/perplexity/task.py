@@ -53,6 +53,7 @@ from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
 from kveval.results.layout import BASELINE
 from kveval.stats import (
+    LogSoftmaxScratch,
     add_llama_sums,
     base_token_terms,
     bin_sums,
@@ -189,13 +190,14 @@ class BaseTerms:
 
 
 def _compare(base: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
-             terms: BaseTerms | None = None) -> dict[str, torch.Tensor]:
+             terms: BaseTerms | None = None, scratch: LogSoftmaxScratch | None = None) -> dict[str, torch.Tensor]:
     """:func:`kveval.stats.llama_token_values` over ``[n, vocab]`` inputs, ``COMPARE_ROWS`` rows at a time
     (per-row metrics: identical to one call), with ``agree`` (= ``same_top``, :func:`compare_logits`'s name).
-    ``terms``: the baseline's terms of ``base``, kept across the comparisons of one window."""
+    ``terms``: the baseline's terms of ``base``, kept across the comparisons of one window; ``scratch``: the
+    float64 buffers reused across comparisons (off CUDA)."""
     base_slices = (terms or BaseTerms(keep=False)).get(base)
     parts = [llama_token_values(base[i:i + COMPARE_ROWS], logits[i:i + COMPARE_ROWS], targets[i:i + COMPARE_ROWS],
-                                base_slices[k])
+                                base_slices[k], scratch)
              for k, i in enumerate(range(0, base.shape[0], COMPARE_ROWS))]
     out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     out["agree"] = out["same_top"]
@@ -334,6 +336,7 @@ def _score_batch(ctx, params: Params, batch: list, names: list[str], done, advan
     # kept off CUDA only: there they would count in every policy pass's peak memory, and a comparison is cheap
     keep = not _is_cuda(base.device) and sum(len(s.tgt) for s in scored) * base.shape[-1] * 16 <= BASE_TERMS_BUDGET
     terms = [BaseTerms(keep) for _ in batch]
+    scratch = None if _is_cuda(base.device) else LogSoftmaxScratch()
     for name in names:
         need = [i for i, w in enumerate(batch) if _record_key(w.index, name) not in done]
         for _ in range(len(batch) - len(need)):
@@ -343,7 +346,7 @@ def _score_batch(ctx, params: Params, batch: list, names: list[str], done, advan
         if name == BASELINE:
             for i in need:
                 s = scored[i]
-                metrics = _compare(base[i, s.rows], base[i, s.rows], s.tgt, terms[i])
+                metrics = _compare(base[i, s.rows], base[i, s.rows], s.tgt, terms[i], scratch)
                 ctx.run.append(_with_peak(_window_record(batch[i], name, _cpu(metrics), s.positions, params,
                                                          per_token=False), base_peak))
                 advance(ids.shape[1])
@@ -359,7 +362,7 @@ def _score_batch(ctx, params: Params, batch: list, names: list[str], done, advan
             _check_finite(logits[j, scored[i].rows], batch[i], name, dtype, params.start_token)
         for j, i in enumerate(need):
             s = scored[i]
-            metrics = _compare(base[i, s.rows], logits[j, s.rows], s.tgt, terms[i])
+            metrics = _compare(base[i, s.rows], logits[j, s.rows], s.tgt, terms[i], scratch)
             rec = _with_peak(_window_record(batch[i], name, _cpu(metrics), s.positions, params), peak)
             if params.diagnostics:
                 rec["layers_quantized"] = emu.layers_quantized
@@ -395,6 +398,7 @@ def _weight_variant_batch(ctx, params: Params, batch: list, ids: torch.Tensor, v
     dtype = ctx.cfg.model.dtype
     vids = ids if len(rows) == len(batch) else ids[rows]
     who = f"weight variant '{vname}'"
+    scratch = None if _is_cuda(base.device) else LogSoftmaxScratch()
     with variant.applied(model), torch.no_grad():
         memory.start()
         with finite_quantizer_inputs(_where_batch([batch[i] for i in rows], params.start_token), who):
@@ -413,7 +417,7 @@ def _weight_variant_batch(ctx, params: Params, batch: list, ids: torch.Tensor, v
             if name == BASELINE:
                 for r in need:
                     i, s = rows[r], scored[rows[r]]
-                    metrics = _compare(base[i, s.rows], wlogits[r, s.rows], s.tgt)
+                    metrics = _compare(base[i, s.rows], wlogits[r, s.rows], s.tgt, scratch=scratch)
                     rec = _window_record(batch[i], name, _cpu(metrics), s.positions, params)
                     rec.update(key=keys[i][name], weights=vname)
                     ctx.run.append(_with_peak(rec, wpeak))
@@ -431,8 +435,8 @@ def _weight_variant_batch(ctx, params: Params, batch: list, ids: torch.Tensor, v
                                     dtype=dtype, quantized_by=who_both)
             for j, r in enumerate(need):
                 i, s = rows[r], scored[rows[r]]
-                metrics = _compare(base[i, s.rows], logits[j, s.rows], s.tgt)
-                on_weights = _compare(wlogits[r, s.rows], logits[j, s.rows], s.tgt)  # the KV effect on Ŵ
+                metrics = _compare(base[i, s.rows], logits[j, s.rows], s.tgt, scratch=scratch)
+                on_weights = _compare(wlogits[r, s.rows], logits[j, s.rows], s.tgt, scratch=scratch)  # the KV effect on Ŵ
                 rec = _window_record(batch[i], name, _cpu(metrics), s.positions, params)
                 rec.update(key=keys[i][name], weights=vname, kld_vs_weights_sum=float(on_weights["kld"].sum()),
                            agree_vs_weights_sum=float(on_weights["agree"].sum()))
