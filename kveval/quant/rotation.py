@@ -18,6 +18,7 @@ of [1, 2, 3, 4] is [10, -2, -4, 0].
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -36,7 +37,10 @@ def _sylvester(n: int, dtype: torch.dtype) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    scale = torch.tensor(float(n), dtype=dtype).sqrt().reciprocal()
+    if dtype == torch.float64:  # IEEE 1/sqrt(n) from Python's math: torch's float64 sqrt is 1 ulp off on some CPUs
+        scale = torch.tensor(1.0 / math.sqrt(n), dtype=dtype)
+    else:
+        scale = torch.tensor(float(n), dtype=dtype).sqrt().reciprocal()
     return h.to(dtype) * scale
 
 
