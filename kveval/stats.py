@@ -119,22 +119,26 @@ def base_token_terms(base_logits: torch.Tensor) -> dict[str, torch.Tensor]:
 class LogSoftmaxScratch:
     """Two float64 ``[rows, vocab]`` buffers reused by the comparisons of a run (:func:`llama_token_values`): the
     float64 copy of a policy's logits and its log-softmax, written in place. On the CPU a fresh tensor of that size
-    costs its page faults on every comparison, more than the arithmetic: [512, 49152] float32 logits compared in
-    2.2x less time with the buffers reused (the same numbers: the same kernels on the same values)."""
+    costs its page faults on every comparison, more than the arithmetic (bench/bench_run_overhead.py on
+    configs/formats_2026.yaml: comparisons 24 s of a 256 s run). On CUDA the caching allocator already reuses
+    memory and held buffers would count in every pass's peak: nothing is kept there. The same numbers either way:
+    the same kernels on the same values."""
 
     def __init__(self) -> None:
-        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._x: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """``torch.log_softmax(logits.double(), -1)`` of ``[n, vocab]`` logits, into the second buffer (valid
-        until the next call)."""
+        """``torch.log_softmax(logits.double(), -1)`` of ``[n, vocab]`` logits (off CUDA into the second buffer,
+        valid until the next call)."""
+        if logits.device.type == "cuda":
+            return torch.log_softmax(logits.double(), dim=-1)
         n, vocab = logits.shape
-        bufs = self._bufs
-        if bufs is None or bufs[0].shape[0] < n or bufs[0].shape[1] != vocab or bufs[0].device != logits.device:
-            bufs = self._bufs = tuple(torch.empty(n, vocab, dtype=torch.float64, device=logits.device)
-                                      for _ in range(2))  # type: ignore[assignment]
-            assert bufs is not None
-        x, out = bufs[0][:n], bufs[1][:n]
+        if self._x is None or self._out is None or self._x.shape[0] < n or self._x.shape[1] != vocab \
+                or self._x.device != logits.device:
+            self._x = torch.empty(n, vocab, dtype=torch.float64, device=logits.device)
+            self._out = torch.empty_like(self._x)
+        x, out = self._x[:n], self._out[:n]
         x.copy_(logits)
         # the out= form of the op torch.log_softmax calls (the public function takes no out)
         return torch.ops.aten._log_softmax.out(x, -1, False, out=out)

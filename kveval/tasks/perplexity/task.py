@@ -194,7 +194,7 @@ def _compare(base: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
     """:func:`kveval.stats.llama_token_values` over ``[n, vocab]`` inputs, ``COMPARE_ROWS`` rows at a time
     (per-row metrics: identical to one call), with ``agree`` (= ``same_top``, :func:`compare_logits`'s name).
     ``terms``: the baseline's terms of ``base``, kept across the comparisons of one window; ``scratch``: the
-    float64 buffers reused across comparisons (off CUDA)."""
+    float64 buffers reused across comparisons."""
     base_slices = (terms or BaseTerms(keep=False)).get(base)
     parts = [llama_token_values(base[i:i + COMPARE_ROWS], logits[i:i + COMPARE_ROWS], targets[i:i + COMPARE_ROWS],
                                 base_slices[k], scratch)
@@ -336,7 +336,7 @@ def _score_batch(ctx, params: Params, batch: list, names: list[str], done, advan
     # kept off CUDA only: there they would count in every policy pass's peak memory, and a comparison is cheap
     keep = not _is_cuda(base.device) and sum(len(s.tgt) for s in scored) * base.shape[-1] * 16 <= BASE_TERMS_BUDGET
     terms = [BaseTerms(keep) for _ in batch]
-    scratch = None if _is_cuda(base.device) else LogSoftmaxScratch()
+    scratch = LogSoftmaxScratch()
     for name in names:
         need = [i for i, w in enumerate(batch) if _record_key(w.index, name) not in done]
         for _ in range(len(batch) - len(need)):
@@ -398,7 +398,7 @@ def _weight_variant_batch(ctx, params: Params, batch: list, ids: torch.Tensor, v
     dtype = ctx.cfg.model.dtype
     vids = ids if len(rows) == len(batch) else ids[rows]
     who = f"weight variant '{vname}'"
-    scratch = None if _is_cuda(base.device) else LogSoftmaxScratch()
+    scratch = LogSoftmaxScratch()
     with variant.applied(model), torch.no_grad():
         memory.start()
         with finite_quantizer_inputs(_where_batch([batch[i] for i in rows], params.start_token), who):
