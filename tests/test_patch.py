@@ -243,3 +243,44 @@ def test_left_padded_batch_decodes_each_row_as_alone_float64(name, tiny_llama64)
     for b, r in enumerate(rows):
         alone, _ = decoded_logits(model, r[None], policy, prefill_len=20 - pads[b])
         torch.testing.assert_close(batched[b, pads[b]:], alone[0], rtol=0, atol=1e-9)
+
+
+SPLIT_KIVI = KVPolicy(key=spec(bits=2, mapping="asymmetric", granularity="channel"),
+                      value=spec(bits=2, mapping="asymmetric"), residual=6, sink_tokens=2,
+                      residual_mode={"key": "block", "value": "sliding"})
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama64", "tiny_gemma3_64"])
+def test_chunk_plans_shared_by_layers_change_nothing(model_fixture, request, monkeypatch):
+    """Every layer of a pass reuses the chunk plans (masks and kept tokens) built for the first one that got the same
+    attention mask (``LayerEmulation._chunk_plan``): with 5 chunks of 8 queries, the logits equal the real cache's
+    decoding, and equal bit for bit a pass that builds every plan afresh; a second batch whose padding differs, in
+    the same emulate() context at the same length, gets its own plans (its rows equal each row emulated alone)."""
+    import importlib
+
+    emulate_module = importlib.import_module("kveval.patch.emulate")
+    model, _ = request.getfixturevalue(model_fixture)
+    monkeypatch.setattr(emulate_module, "CHUNK_ROWS", 8)
+    ids = ids_for(model, 40, seed=3)
+    with torch.no_grad():
+        shared = emulated_logits(model, ids, SPLIT_KIVI)
+        decoded, _ = decoded_logits(model, ids, SPLIT_KIVI)
+        assert (shared - model(ids).logits).abs().max() > 1e-6, "the policy must change something"
+        torch.testing.assert_close(shared, decoded, rtol=0, atol=1e-9)
+        monkeypatch.setattr(emulate_module, "PLAN_CACHE_BYTES", 0)
+        assert torch.equal(emulated_logits(model, ids, SPLIT_KIVI), shared)
+        monkeypatch.setattr(emulate_module, "PLAN_CACHE_BYTES", 64 * 2**20)
+
+        other = ids_for(model, 40, seed=4)
+        mask_a = torch.ones(2, 40, dtype=torch.long)
+        mask_b = mask_a.clone()
+        mask_b[1, :7] = 0  # row 1 left-padded by 7 in the second batch only
+        batch = torch.cat([ids, other])
+        with emulate(model, SPLIT_KIVI):
+            first = model(batch, attention_mask=mask_a).logits
+            second = model(batch, attention_mask=mask_b).logits
+        with emulate(model, SPLIT_KIVI):
+            alone = model(batch, attention_mask=mask_b).logits
+    torch.testing.assert_close(first[0], shared[0], rtol=0, atol=1e-9)
+    assert torch.equal(second, alone), "the second mask must not reuse the first mask's plans"
+    assert (second[1, 7:] - first[1, 7:]).abs().max() > 1e-6, "padding changes row 1: the masks differ"

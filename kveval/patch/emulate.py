@@ -79,6 +79,8 @@ MASK_ELEMENTS = 1 << 22
 #: The most decoded queries of one chunk: a chunk attends to the keys up to its last row, so smaller chunks skip
 #: more of the causally masked keys (the way ``is_causal`` does); 256 rows: bench/bench_presets.py
 CHUNK_ROWS = 256
+#: the masks of the chunk plans (``LayerEmulation._chunk_plan``) one forward pass keeps for its other layers
+PLAN_CACHE_BYTES = 64 * 2**20
 
 
 def read_ends(schedule: Schedule, T: int, prefill_len: int) -> list[int]:
@@ -300,7 +302,48 @@ class LayerEmulation:
         residual window; a part no query selects is dropped), so a chunk attends to about ``stop`` keys, not
         ``parts * stop``; the mask is ``[batch or 1, 1, stop - start, kept keys]``. (output ``[batch, stop - start,
         heads, head_dim]``, weights)."""
-        device = key.device
+        mask, selections, positions = self._chunk_plan(attention_mask, T, start, stop, query.dtype, key.device)
+        mv_split = len(selections) == 4
+        versions = ([(key, value), (k_hat, value), (key, v_hat), (k_hat, v_hat)] if mv_split
+                    else [(key, value), (k_hat, v_hat)])
+        keys, values = [], []
+        for (k, v), selection in zip(versions, selections):
+            if selection is None:
+                continue
+            if isinstance(selection, slice):  # every token up to stop, or one run of tokens: views
+                keys.append(k[:, :, selection])
+                values.append(v[:, :, selection])
+            else:
+                keys.append(k.index_select(2, selection))
+                values.append(v.index_select(2, selection))
+        return compute(module, query[:, :, start:stop], torch.cat(keys, dim=-2), torch.cat(values, dim=-2), mask,
+                       *args, key_positions=positions, **kwargs)
+
+    def _chunk_plan(self, attention_mask, T: int, start: int, stop: int, dtype: torch.dtype, device):
+        """What ``_chunk`` attends to for queries ``[start, stop)``: (the mask ``[batch or 1, 1, stop - start, kept
+        keys]`` in the implementation's form, per version part the tokens kept (a slice, an index tensor, or None
+        for a part no query reads), the kept keys' positions). The same for every layer that receives the same
+        ``attention_mask`` (the policy's schedule is the model's), so it is built once per forward pass and mask
+        and shared through ``mask_cache``; the cache holds the mask it was built for, so a new mask (the next
+        window, a sliding-window layer's mask) never meets a stale plan. Plans are kept while their masks total at
+        most ``PLAN_CACHE_BYTES`` (the masks of a whole pass grow as T^2 / 2); beyond that each layer builds its
+        own, as before."""
+        self.read_thresholds(T, device)  # a new length clears mask_cache first, plans included
+        entry = self.mask_cache.get("chunks")
+        if entry is None or entry[0] is not attention_mask:
+            entry = [attention_mask, {}, 0]  # the mask, plans by chunk, the bytes of their masks
+            self.mask_cache["chunks"] = entry
+        plan_key = (T, start, stop, dtype, str(device), self.implementation)
+        plan = entry[1].get(plan_key)
+        if plan is None:
+            plan = self._build_chunk_plan(attention_mask, T, start, stop, dtype, device)
+            size = plan[0].numel() * plan[0].element_size()
+            if entry[2] + size <= PLAN_CACHE_BYTES:
+                entry[1][plan_key] = plan
+                entry[2] += size
+        return plan
+
+    def _build_chunk_plan(self, attention_mask, T: int, start: int, stop: int, dtype: torch.dtype, device):
         if attention_mask is None:  # causal: query t sees j <= t
             allowed = (torch.arange(stop, device=device)[None, :]
                        <= torch.arange(start, stop, device=device)[:, None])[None, None]
@@ -308,35 +351,33 @@ class LayerEmulation:
             allowed = attn.allowed_mask(attention_mask[..., start:stop, :], stop - start, stop, device)
         mk, mv = self.full_precision_rows(T, start, stop, device)
         if mv is None:
-            parts = [(key, value, mk), (k_hat, v_hat, ~mk)]
+            reads = [mk, ~mk]
         else:  # keys and values read on different schedules: one part per (key version, value version)
-            parts = [(key, value, mk & mv), (k_hat, value, ~mk & mv), (key, v_hat, mk & ~mv), (k_hat, v_hat, ~mk & ~mv)]
-        keys, values, masks, positions = [], [], [], []
-        for k, v, m in parts:
+            reads = [mk & mv, ~mk & mv, mk & ~mv, ~mk & ~mv]
+        selections: list[slice | torch.Tensor | None] = []
+        masks, positions = [], []
+        for m in reads:
             m = allowed & m  # [.., stop - start, stop]
             used = m.reshape(-1, stop).any(dim=0)  # tokens some query of the chunk reads in this version
             if bool(used.all()):
-                keys.append(k[:, :, :stop])
-                values.append(v[:, :, :stop])
+                selections.append(slice(0, stop))
                 masks.append(m)
                 positions.append(torch.arange(stop, device=device))
                 continue
             cols = used.nonzero().squeeze(1)
             if cols.numel() == 0:
+                selections.append(None)
                 continue
             first, n = int(cols[0]), len(cols)
-            if int(cols[-1]) - first + 1 == n:  # one run of tokens (the quantized part, a window): views
-                keys.append(k[:, :, first:first + n])
-                values.append(v[:, :, first:first + n])
+            if int(cols[-1]) - first + 1 == n:  # one run of tokens (the quantized part, a window)
+                selections.append(slice(first, first + n))
                 masks.append(m[..., first:first + n])
             else:
-                keys.append(k.index_select(2, cols))
-                values.append(v.index_select(2, cols))
+                selections.append(cols)
                 masks.append(m.index_select(-1, cols))
             positions.append(cols)
-        mask = attn.inner_mask(torch.cat(masks, dim=-1), self.implementation, query.dtype)
-        return compute(module, query[:, :, start:stop], torch.cat(keys, dim=-2), torch.cat(values, dim=-2), mask,
-                       *args, key_positions=torch.cat(positions), **kwargs)
+        mask = attn.inner_mask(torch.cat(masks, dim=-1), self.implementation, dtype)
+        return mask, selections, torch.cat(positions)
 
 
 def merged_stats(rows: list[TensorErrorStats]) -> TensorErrorStats:

@@ -26,19 +26,15 @@ from typing import Any
 import torch
 
 from kveval.errors import KvevalError
-from kveval.quant.formats.base import NONFINITE
+from kveval.quant.formats.base import NONFINITE, all_finite
 
 _NARROW_DTYPES = ("float16", "bfloat16")
 
 
 def non_finite_kind(values: torch.Tensor) -> str | None:
     """None when every element of ``values`` is finite, else what is wrong: ``"NaN"`` (when any element is NaN)
-    or ``"infinity"``. A finite sum proves every element finite (one NaN or infinity makes it NaN or infinite), so
-    that one pass without a temporary answers the common case; a sum that overflows falls through to the
-    elementwise check."""
-    if values.is_floating_point() and bool(torch.isfinite(values.sum())):
-        return None
-    if bool(torch.isfinite(values).all()):
+    or ``"infinity"`` (``all_finite``: one sum answers the common case)."""
+    if all_finite(values):
         return None
     return "NaN" if bool(torch.isnan(values).any()) else "infinity"
 
