@@ -103,6 +103,19 @@ def test_gguf_permutation_index_map_on_a_crafted_head():
     assert to_gguf_order(head).tolist() == [10.0, 20, 11, 21, 12, 22, 13, 23]
     with pytest.raises(ValueError, match="even head_dim"):
         gguf_permutation(7)
+    with pytest.raises(ValueError, match="even head_dim"):
+        to_gguf_order(torch.zeros(2, 7))
+
+
+@pytest.mark.parametrize("shape", [(1, 9, 33, 64), (2, 3, 5, 128), (4, 2), (1, 1, 3, 2)])
+def test_to_gguf_order_is_the_index_map_as_a_new_contiguous_tensor(shape):
+    """The strided copy equals ``index_select`` with ``gguf_permutation`` bit for bit, on contiguous and
+    transposed inputs, and never aliases its input (head_dim 2 is the identity)."""
+    x = torch.randn(shape, dtype=torch.float64)
+    for src in (x, x.transpose(0, -2) if x.dim() > 2 else x.t().contiguous().t()):
+        out = to_gguf_order(src)
+        assert torch.equal(out, src.index_select(-1, gguf_permutation(shape[-1])))
+        assert out.is_contiguous() and out.data_ptr() != src.data_ptr()
 
 
 def _convert_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
