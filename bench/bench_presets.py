@@ -1,7 +1,7 @@
 """Every preset's emulation cost: one emulated forward pass over one unpatched pass, same process, same tokens.
 
     .venv/bin/python bench/bench_presets.py [--model builtin:smollm2-135m] [--tokens 512,2048] [--repeats 3]
-                                            [--presets all|policies|formats|NAME,NAME] [--threads N]
+                                            [--presets all|policies|formats|NAME,spec:NAME,...] [--threads N]
                                             [--profile 1.3]
 
 Presets: every policy preset (``kveval.policy.presets.POLICY_PRESETS``) and the first quantization preset of each
@@ -55,7 +55,8 @@ def policies(which: str) -> list[tuple[str, KVPolicy | str]]:
     if which in ("all", "formats"):
         names += [(f"spec:{n}", {"spec": n}) for n in first_format_presets() if n not in POLICY_PRESETS]
     if which not in ("all", "policies", "formats"):
-        names = [(n, n) for n in which.split(",")]
+        # a name as the table prints it: a policy preset, or spec:NAME for a quantization preset as a K/V policy
+        names = [(n, {"spec": n.removeprefix("spec:")} if n.startswith("spec:") else n) for n in which.split(",")]
     out: list[tuple[str, KVPolicy | str]] = []
     for label, src in names:
         try:

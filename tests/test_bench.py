@@ -25,3 +25,21 @@ def test_every_kveval_name_a_benchmark_imports_exists(path):
                     except ModuleNotFoundError:
                         missing.append(f"{node.module}.{alias.name}")
     assert not missing
+
+
+def test_bench_presets_takes_the_names_its_table_prints():
+    """``--presets`` takes a policy preset, ``spec:NAME`` (a quantization preset as a K/V policy, as the table
+    labels it) and lists an unknown name as skipped with the reason."""
+    import importlib.util
+
+    from kveval.policy import KVPolicy
+
+    spec = importlib.util.spec_from_file_location("bench_presets", BENCH[0].parent / "bench_presets.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    got = dict(module.policies("kivi2,spec:q4_1,no_such_preset"))
+    assert got["kivi2"] == KVPolicy.preset("kivi2")
+    assert got["spec:q4_1"].key.describe() == got["spec:q4_1"].value.describe() == KVPolicy.from_config(
+        {"spec": "q4_1"}).key.describe()
+    assert isinstance(got["no_such_preset"], str) and "no_such_preset" in got["no_such_preset"]
