@@ -303,8 +303,8 @@ class LayerEmulation:
         ``parts * stop``; the mask is ``[batch or 1, 1, stop - start, kept keys]``. (output ``[batch, stop - start,
         heads, head_dim]``, weights)."""
         mask, selections, positions = self._chunk_plan(attention_mask, T, start, stop, query.dtype, key.device)
-        mv_split = len(selections) == 4
-        versions = ([(key, value), (k_hat, value), (key, v_hat), (k_hat, v_hat)] if mv_split
+        # the (key version, value version) parts in ``_build_chunk_plan``'s order: 4 when the schedules differ
+        versions = ([(key, value), (k_hat, value), (key, v_hat), (k_hat, v_hat)] if len(selections) == 4
                     else [(key, value), (k_hat, v_hat)])
         keys, values = [], []
         for (k, v), selection in zip(versions, selections):
