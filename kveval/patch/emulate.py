@@ -79,8 +79,10 @@ MASK_ELEMENTS = 1 << 22
 #: The most decoded queries of one chunk: a chunk attends to the keys up to its last row, so smaller chunks skip
 #: more of the causally masked keys (the way ``is_causal`` does); 256 rows: bench/bench_presets.py
 CHUNK_ROWS = 256
-#: the masks of the chunk plans (``LayerEmulation._chunk_plan``) one forward pass keeps for its other layers
+#: the masks of the chunk plans (``LayerEmulation._chunk_plan``) one forward pass keeps for its other layers, and
+#: the attention masks it keeps plans for at once (a pass of a model with sliding-window layers brings two)
 PLAN_CACHE_BYTES = 64 * 2**20
+MASKS_PLANNED = 4
 
 
 def read_ends(schedule: Schedule, T: int, prefill_len: int) -> list[int]:
@@ -329,18 +331,23 @@ class LayerEmulation:
         most ``PLAN_CACHE_BYTES`` (the masks of a whole pass grow as T^2 / 2); beyond that each layer builds its
         own, as before."""
         self.read_thresholds(T, device)  # a new length clears mask_cache first, plans included
-        entry = self.mask_cache.get("chunks")
+        # per attention mask (a model with sliding-window layers passes two in every pass): (the mask itself, its
+        # plans by chunk); keyed by id() while the entry holds the mask, so an id is never reused for another
+        plans_of = self.mask_cache.setdefault("chunk plans", {})
+        entry = plans_of.get(id(attention_mask))
         if entry is None or entry[0] is not attention_mask:
-            entry = [attention_mask, {}, 0]  # the mask, plans by chunk, the bytes of their masks
-            self.mask_cache["chunks"] = entry
+            if len(plans_of) >= MASKS_PLANNED:  # an earlier pass's masks
+                plans_of.clear()
+                self.mask_cache["chunk plan bytes"] = 0
+            entry = plans_of[id(attention_mask)] = (attention_mask, {})
         plan_key = (T, start, stop, dtype, str(device), self.implementation)
         plan = entry[1].get(plan_key)
         if plan is None:
             plan = self._build_chunk_plan(attention_mask, T, start, stop, dtype, device)
-            size = plan[0].numel() * plan[0].element_size()
-            if entry[2] + size <= PLAN_CACHE_BYTES:
+            held = self.mask_cache.get("chunk plan bytes", 0) + plan[0].numel() * plan[0].element_size()
+            if held <= PLAN_CACHE_BYTES:
                 entry[1][plan_key] = plan
-                entry[2] += size
+                self.mask_cache["chunk plan bytes"] = held
         return plan
 
     def _build_chunk_plan(self, attention_mask, T: int, start: int, stop: int, dtype: torch.dtype, device):
