@@ -332,10 +332,10 @@ class LayerEmulation:
         own, as before."""
         self.read_thresholds(T, device)  # a new length clears mask_cache first, plans included
         # per attention mask (a model with sliding-window layers passes two in every pass): (the mask itself, its
-        # plans by chunk); keyed by id() while the entry holds the mask, so an id is never reused for another
+        # plans by chunk); keyed by id(): the entry keeps the mask alive, so its id cannot pass to another object
         plans_of = self.mask_cache.setdefault("chunk plans", {})
         entry = plans_of.get(id(attention_mask))
-        if entry is None or entry[0] is not attention_mask:
+        if entry is None:
             if len(plans_of) >= MASKS_PLANNED:  # an earlier pass's masks
                 plans_of.clear()
                 self.mask_cache["chunk plan bytes"] = 0
