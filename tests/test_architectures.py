@@ -137,6 +137,31 @@ def test_generate_with_the_real_cache(family):
     assert cache.nbytes()["total"] == bill.total and cache.nbytes().get("state", 0) == bill.state
 
 
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3", "tiny-falcon-h1"])
+def test_real_cache_refuses_what_it_cannot_do_to_its_stores(family):
+    """Beam search reorders the cache's rows, assisted decoding drops its newest tokens: transformers' DynamicLayer
+    methods would edit an empty placeholder and carry on from the wrong history, so the cache refuses them in one
+    line (Falcon-H1: the layer that also holds a Mamba state refuses them too, not only its state part)."""
+    model = build_tiny_model(family)
+    ids = ids_for(model, 9)
+    policy = KVPolicy.preset("int4_g32")
+    with pytest.raises(KvevalError, match=r"num_beams=1") as err:
+        model.generate(ids, cache=QuantizedKVCache(model, policy), max_new_tokens=3, num_beams=2, do_sample=False)
+    assert "\n" not in str(err.value)
+    cache = QuantizedKVCache(model, policy)
+    assert not cache.is_croppable  # transformers' assisted decoding checks this and refuses after the prefill
+    model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
+    held = cache.get_seq_length()
+    assert isinstance(held, int) and held == 10
+    for call, words in ((lambda: cache.crop(-1), "cannot drop stored tokens"),
+                        (lambda: cache.reorder_cache(torch.tensor([0])), "num_beams=1"),
+                        (lambda: cache.batch_repeat_interleave(2), "num_beams=1"),
+                        (lambda: cache.batch_select_indices(torch.tensor([0])), "build a new cache")):
+        with pytest.raises(KvevalError, match=words):
+            call()
+    assert cache.get_seq_length() == held  # nothing changed
+
+
 # ------------------------------------------------------------------------------------------------- MLA
 def _deepseek_of_the_issue(layout_dtype=torch.float64):
     """The DeepSeek-V3 config of issue 28: hidden 256, 4 heads, head_dim 64 (the RoPE part), 2 layers, latent 32."""

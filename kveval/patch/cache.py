@@ -765,6 +765,26 @@ class QuantizedKVLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.n_stored
 
+    # transformers' DynamicLayer would edit its own (empty) ``keys``/``values`` here and leave the stores as they
+    # were: a beam search or an assisted decoding would then go on silently from the wrong history
+    is_croppable = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvevalError("QuantizedKVCache cannot drop stored tokens (assisted or speculative decoding); "
+                          "generate without an assistant model or prompt lookup")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise KvevalError("QuantizedKVCache cannot reorder its rows (beam search); generate with num_beams=1")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.n_stored:
+            raise KvevalError("QuantizedKVCache cannot repeat its rows (beam search, contrastive search); "
+                              "generate with num_beams=1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.n_stored:
+            raise KvevalError("QuantizedKVCache cannot select rows of a filled cache; build a new cache instead")
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(key length, position of the first key) that the next call's attention mask covers: everything held
         plus the ``query_length`` new tokens, from position ``evicted``."""
@@ -830,8 +850,15 @@ class QuantizedHybridLayer(LinearAttentionLayer, QuantizedKVLayer):
         elif not args:
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
-    def get_max_length(self) -> int:
-        return QuantizedKVLayer.get_max_length(self)
+    # the attention part answers for the tokens held (transformers >= 5.25 gives LinearAttentionLayer its own
+    # counter, a tensor) and refuses what it cannot do to its stores
+    get_max_length = QuantizedKVLayer.get_max_length
+    get_seq_length = QuantizedKVLayer.get_seq_length
+    is_croppable = False
+    crop = QuantizedKVLayer.crop
+    reorder_cache = QuantizedKVLayer.reorder_cache
+    batch_repeat_interleave = QuantizedKVLayer.batch_repeat_interleave
+    batch_select_indices = QuantizedKVLayer.batch_select_indices
 
     def reset(self) -> None:
         LinearAttentionLayer.reset(self)
@@ -975,6 +1002,11 @@ class QuantizedKVCache(Cache):
         handle = model.register_forward_pre_hook(before, with_kwargs=True)
         weakref.finalize(self, handle.remove)
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held by layer ``layer_idx``, an int (transformers >= 5.25 answers a linear-attention layer's count
+        as a 0-d tensor)."""
+        return int(super().get_seq_length(layer_idx))
+
     def rope_table_nbytes(self) -> int:
         """Bytes of the (cos, sin) tables that layers with pre-RoPE keys hold besides ``nbytes()`` (the module
         docstring: an engine recomputes them from the positions)."""
@@ -995,11 +1027,17 @@ class QuantizedKVCache(Cache):
         return total
 
 
+#: transformers' token counters of a cache layer (a 0-d integer tensor in LinearAttentionLayer since 5.25):
+#: bookkeeping, neither K/V nor state, so ``resident_nbytes`` leaves them out as the bill does
+_TOKEN_COUNTERS = frozenset({"cumulative_length", "cumulative_length_linear"})
+
+
 def resident_nbytes(cache, exclude: Sequence[torch.Tensor] = ()) -> int:
     """Bytes of the tensors ``cache`` holds between calls, each storage counted once (a view counts its whole
     storage: what keeping it keeps alive). Walks the cache's layers and their stores (or any tuple, list or dict of
     them); the model's modules and the quantizers (the policy's, not the cache's) are not counted, nor the
-    storages of ``exclude`` (e.g. the model's own key/value tensors a call received)."""
+    storages of ``exclude`` (e.g. the model's own key/value tensors a call received), nor transformers' token
+    counters (``_TOKEN_COUNTERS``)."""
     seen: dict[tuple, int] = {}
     visited: set[int] = set()
 
@@ -1018,8 +1056,9 @@ def resident_nbytes(cache, exclude: Sequence[torch.Tensor] = ()) -> int:
             for v in obj:
                 walk(v)
         elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("kveval.", "transformers.")):
-            for v in vars(obj).values():
-                walk(v)
+            for name, v in vars(obj).items():
+                if name not in _TOKEN_COUNTERS:
+                    walk(v)
 
     walk(cache)
     for t in exclude:
