@@ -162,6 +162,50 @@ def test_real_cache_refuses_what_it_cannot_do_to_its_stores(family):
     assert cache.get_seq_length() == held  # nothing changed
 
 
+#: what the real cache's layers take from transformers' layer classes unchanged, each reviewed: a new transformers
+#: release that adds a member to those classes fails the test below until it is reviewed here or overridden
+_INHERITED_AS_IS = {
+    "_layer_type": "registration data (None: not registered)",
+    "is_compileable": "False for every class involved",
+    "is_sliding": "an attribute QuantizedKVLayer.__init__ sets",
+    "supports_early_init": "early_initialization hands lazy_initialization a 0-token tensor of the real shape",
+    "offload": "only an offloading Cache calls it; QuantizedKVCache is never built with offloading",
+    "prefetch": "only an offloading Cache calls it; QuantizedKVCache is never built with offloading",
+    # the state part of QuantizedHybridLayer: transformers' own LinearAttentionLayer tensors, kept as they are
+    "activate_past_recording": "state part; crop, which would use it, is refused",
+    "increase_count": "state part: its token counter",
+    "update_conv_state": "state part",
+    "update_recurrent_state": "state part",
+}
+
+
+def test_cache_layers_review_every_method_transformers_gives_them():
+    """QuantizedKVLayer subclasses DynamicLayer and QuantizedHybridLayer LinearAttentionLayer too: a method of
+    theirs that the quantized layers inherit would work on transformers' placeholders, not on the stores (beam
+    search went on from the wrong history that way). transformers 5.25 gave LinearAttentionLayer a get_seq_length
+    (a tensor counter) that took precedence over QuantizedKVLayer's in the hybrid layer's MRO: so every member the
+    attention part defines must resolve to it (or to the hybrid layer's own), and every other inherited member
+    must be reviewed."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    from kveval.patch.cache import QuantizedHybridLayer, QuantizedKVLayer
+
+    ours = (QuantizedKVLayer, QuantizedHybridLayer)
+    for cls, bases in ((QuantizedKVLayer, (DynamicLayer,)), (QuantizedHybridLayer, (LinearAttentionLayer, DynamicLayer))):
+        names = {n for base in bases for k in base.__mro__ if k is not object for n in vars(k)
+                 if not n.startswith("__") and n != "_abc_impl"}
+        for name in sorted(names):
+            owner = next(k for k in cls.__mro__ if name in vars(k))
+            assert owner in ours or name in _INHERITED_AS_IS, (
+                f"{cls.__name__}.{name} comes from transformers' {owner.__name__} unreviewed: override it (work on "
+                "the quantized stores, or raise KvevalError) or add it to _INHERITED_AS_IS with the reason")
+    for name in vars(QuantizedKVLayer):
+        if name.startswith("__") or name == "_abc_impl":
+            continue
+        owner = next(k for k in QuantizedHybridLayer.__mro__ if name in vars(k))
+        assert owner in ours, f"QuantizedHybridLayer.{name} resolves to {owner.__name__}, not the attention part"
+
+
 # ------------------------------------------------------------------------------------------------- MLA
 def _deepseek_of_the_issue(layout_dtype=torch.float64):
     """The DeepSeek-V3 config of issue 28: hidden 256, 4 heads, head_dim 64 (the RoPE part), 2 layers, latent 32."""
