@@ -148,6 +148,9 @@ def test_real_cache_refuses_what_it_cannot_do_to_its_stores(family):
     with pytest.raises(KvevalError, match=r"num_beams=1") as err:
         model.generate(ids, cache=QuantizedKVCache(model, policy), max_new_tokens=3, num_beams=2, do_sample=False)
     assert "\n" not in str(err.value)
+    with pytest.raises(KvevalError, match=r"repeat the rows.*num_beams=1"):  # rows given: the batch is 2x them
+        model.generate(ids, cache=QuantizedKVCache(model, policy, left_padding=[0]), max_new_tokens=3, num_beams=2,
+                       do_sample=False)
     cache = QuantizedKVCache(model, policy)
     assert not cache.is_croppable  # transformers' assisted decoding checks this and refuses after the prefill
     model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)

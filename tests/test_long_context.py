@@ -86,6 +86,33 @@ def test_plain_batched_generation_equals_each_prompt_alone(tiny_llama64):
     assert greedy_tokens(model, prompts, 8) == [greedy_tokens(model, [p], 8)[0] for p in prompts]
 
 
+def test_generation_is_greedy_whatever_the_checkpoint_asks_for():
+    """A checkpoint's generation_config.json may ask for beam search, a repetition penalty or n-gram blocking; the
+    tasks' answers stay the argmax of the model's logits (baseline and policy alike), the real cache is never asked
+    to reorder beams, and the model's own generation_config is back afterwards, also after an error."""
+    from kveval.models import build_tiny_model
+
+    model = build_tiny_model("tiny-llama", dtype="float64")
+    gen = model.generation_config
+    gen.num_beams, gen.repetition_penalty, gen.no_repeat_ngram_size = 3, 5.0, 1
+    policy = KVPolicy.from_config(POLICIES["sliding_sinks"])
+    prompts = _prompts(model, (9, 4), seed=3)
+    plain, quantized = greedy_tokens(model, prompts, 6), greedy_tokens(model, prompts, 6, policy)
+    assert model.generation_config is gen and gen.num_beams == 3
+    for prompt, tokens, q_tokens in zip(prompts, plain, quantized):
+        assert len(set(tokens)) < len(tokens), "a repeated token: what the checkpoint's n-gram blocking forbids"
+        with torch.no_grad():
+            fp = model(torch.tensor([prompt + tokens[:-1]])).logits
+        assert fp[0, len(prompt) - 1:].argmax(-1).tolist() == tokens
+        emu = emulated_logits(model, torch.tensor([prompt + q_tokens[:-1]]), policy, prefill_len=len(prompt))
+        assert emu[0, len(prompt) - 1:].argmax(-1).tolist() == q_tokens
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")  # NaN logits: generation stops with one KvevalError line
+    with pytest.raises(KvevalError, match="NaN"):
+        greedy_tokens(model, prompts, 2, policy)
+    assert model.generation_config is gen
+
+
 def test_generate_answers_keeps_the_order_and_equals_generate_answer(tiny_llama64):
     model, tok = tiny_llama64
     policy = KVPolicy.from_config(POLICIES["sliding_sinks"])

@@ -426,7 +426,9 @@ class QuantizedKVLayer(DynamicLayer):
         B = key_states.shape[0]
         pads = self.left_padding if self.left_padding is not None else [0] * B
         if len(pads) != B:
-            raise KvevalError(f"left_padding has {len(pads)} rows; the batch has {B}")
+            why = ("; beam search and num_return_sequences repeat the rows, which QuantizedKVCache does not model: "
+                   "generate with num_beams=1, one sequence per prompt" if B > len(pads) and B % len(pads) == 0 else "")
+            raise KvevalError(f"left_padding has {len(pads)} rows; the batch has {B}{why}")
         self.pads = pads
         self._all_rows = tuple(range(B))
         # transformers reads dtype/device; fresh empty tensors (a view of key_states would keep its storage alive)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -125,11 +125,29 @@ def greedy_tokens(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         cache = QuantizedKVCache(model, policy, left_padding=padding, max_length=ids.shape[1] + max_new_tokens,
                                  read="buffered")
         kwargs.update(cache_kwargs(model, cache))
-    with finite_quantizer_inputs(where, who or "the full-precision model"), torch.no_grad():
+    with finite_quantizer_inputs(where, who or "the full-precision model"), torch.no_grad(), plain_greedy(model):
         out = model.generate(ids, **kwargs)
     eos = model.generation_config.eos_token_id
     eos_ids = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
     return [_cut_at_eos(row, eos_ids) for row in out[:, ids.shape[1]:].tolist()]
+
+
+@contextmanager
+def plain_greedy(model):
+    """During the block, ``model.generation_config`` holds only the model's bos/eos/pad token ids, so that
+    ``generate`` is the argmax of the model's logits: a checkpoint's ``generation_config.json`` may ask for beam
+    search (``num_beams``, which the real quantized cache refuses), a repetition penalty (Qwen2.5's 1.05),
+    ``no_repeat_ngram_size`` or forced tokens, which would change the baseline's and the policies' answers alike
+    and make them something other than greedy. Restored afterwards, also on error."""
+    from transformers import GenerationConfig
+
+    kept = model.generation_config
+    model.generation_config = GenerationConfig(bos_token_id=kept.bos_token_id, eos_token_id=kept.eos_token_id,
+                                               pad_token_id=kept.pad_token_id)
+    try:
+        yield
+    finally:
+        model.generation_config = kept
 
 
 def generate_answers(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, policy=None, *,
