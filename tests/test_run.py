@@ -213,3 +213,26 @@ def test_main_job_on_builtin_model(tmp_path):
     assert metrics["policies"]["int2_g32"]["delta_ppl_pct"] > 50
 
 
+
+
+def test_a_dependency_outside_the_tested_range_is_named_in_the_run(tmp_path, monkeypatch, capsys):
+    """transformers beyond kveval's bound (installed by hand, ``--no-deps``) may change the cache layers kveval
+    subclasses: the run says so on stderr and in env.json, and still runs."""
+    import importlib.metadata
+
+    import transformers
+
+    from kveval.results.store import untested_dependencies
+
+    have = transformers.__version__
+    assert untested_dependencies([f"transformers>={have}", "torch>=2.4", f'transformers<{have}; extra == "x"',
+                                  "not-a-package-kveval-needs>=1"]) == []
+    below = f"transformers<{have}"
+    assert untested_dependencies([below]) == [f"transformers {have} is outside kveval's tested range <{have}"]
+    monkeypatch.setattr(importlib.metadata, "requires", lambda name: [below] if name == "kveval" else [])
+    out = tmp_path / "run"
+    run_experiment(validate({**tiny_config(out), "kv": ["int8"]}), quiet=True)
+    assert f"transformers {have} is outside kveval's tested range" in capsys.readouterr().err
+    env = json.loads((out / "env.json").read_text())
+    assert env["untested_dependencies"] == [f"transformers {have} is outside kveval's tested range <{have}"]
+    assert json.loads((out / "metrics.json").read_text())["policies"]["int8"]["kld_mean"] > 0

@@ -152,6 +152,9 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     resolve_auto_scales(ctx)
     started = now()
     env = environment(cfg.model.device)
+    for line in env.get("untested_dependencies", []):
+        print(f"kveval: warning: {line}; the results may be wrong without an error (reinstall with `make setup`)",
+              file=sys.stderr)
     env["config_path"] = config_path
     env["command"] = f"kveval run {config_path}" if config_path else None
     if weights:

@@ -88,7 +88,41 @@ def environment(device: str = "cpu") -> dict:
         "threads": torch.get_num_threads(),
         "argv": sys.argv,
     }
+    outside = untested_dependencies()
+    if outside:
+        env["untested_dependencies"] = outside
     return env
+
+
+def untested_dependencies(requirements: list[str] | None = None) -> list[str]:
+    """Installed packages outside kveval's own requirements (its metadata's, extras aside), one line each, e.g.
+    ``transformers 5.26.0 is outside kveval's tested range >=5.0,<5.26``: kveval subclasses transformers' cache
+    layers, which change between minor releases, so a release beyond the bound may give wrong numbers without an
+    error. ``requirements``: requirement strings to check instead of kveval's installed metadata (none: [])."""
+    from importlib import metadata
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    if requirements is None:
+        try:
+            requirements = metadata.requires("kveval") or []
+        except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+            return []
+    out = []
+    for line in requirements:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # an extra's requirement, or another Python's
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            continue  # missing packages fail at import with their own message
+        if not req.specifier.contains(have, prereleases=True):
+            out.append(f"{req.name} {have} is outside kveval's tested range {req.specifier}")
+    return out
 
 
 def record_key(rec: dict) -> str:
