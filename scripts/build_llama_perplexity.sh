@@ -26,7 +26,16 @@ cpu="$(printf '%s' "$flags" | sha256sum | cut -c1-8)"
 dest="$root/llama.cpp/${COMMIT:0:12}-$(uname -m)-$cpu"
 tool="$dest/bin/llama-perplexity"
 
-if [ -x "$tool" ] && "$tool" --version 2>&1 | grep -q "commit ${COMMIT:0:7}"; then
+# whether the binary $1 reports the pinned commit. Its output is read whole first: `tool | grep -q` under pipefail
+# fails whenever grep exits before the tool has written everything (SIGPIPE), which rebuilt a good cached binary
+# (4-15 min) about one set-up in three
+reports_commit() {
+  local said
+  said="$("$1" --version 2>&1 || true)"
+  [[ "$said" == *"commit ${COMMIT:0:7}"* ]]
+}
+
+if [ -x "$tool" ] && reports_commit "$tool"; then
   echo "llama-perplexity: up to date ($tool)"
   echo "$tool"
   exit 0
@@ -69,7 +78,7 @@ cmake --build "$work/build" --target llama-perplexity -j "$JOBS" > "$work/build.
 
 mkdir -p "$work/out/bin"
 cp "$work/build/bin/llama-perplexity" "$work/out/bin/"
-"$work/out/bin/llama-perplexity" --version 2>&1 | grep -q "commit ${COMMIT:0:7}" \
+reports_commit "$work/out/bin/llama-perplexity" \
   || { echo "llama-perplexity: the built tool does not report commit ${COMMIT:0:7}" >&2; exit 1; }
 secs=$(( $(date +%s) - start ))
 printf 'llama-cpp-python %s\nllama.cpp %s\ncpu %s %s\nbuilt %s in %s s with %s jobs\n' \
