@@ -98,7 +98,8 @@ def untested_dependencies(requirements: list[str] | None = None) -> list[str]:
     """Installed packages outside kveval's own requirements (its metadata's, extras aside), one line each, e.g.
     ``transformers 5.26.0 is outside kveval's tested range >=5.0,<5.26``: kveval subclasses transformers' cache
     layers, which change between minor releases, so a release beyond the bound may give wrong numbers without an
-    error. ``requirements``: requirement strings to check instead of kveval's installed metadata (none: [])."""
+    error. ``requirements``: requirement strings to check instead of kveval's installed metadata (kveval not
+    installed, run from a source tree: nothing to check, [])."""
     from importlib import metadata
 
     from packaging.requirements import InvalidRequirement, Requirement
