@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from kveval.commands.deploy import Costs, deploy, deploy_command, express, render
@@ -195,7 +198,38 @@ def test_plan_engine_restricts_the_candidates_and_deploys_exactly(engine_scan, t
     elif engine == "trtllm":
         assert trtllm_dtype(dep.lines) in ("fp8", "nvfp4")
     else:
-        assert "cache_implementation=\"quantized\"" in dep.lines[0]
+        _run_the_transformers_line(dep.lines[0])
+
+
+def _run_the_transformers_line(line: str, model=None) -> None:
+    """The printed line runs as written against the installed transformers (a tiny Llama unless ``model`` is
+    given; its ``generate`` wrapped only to keep the cache it built), and the cache it builds is transformers'
+    QuantizedCache with exactly the printed configuration at every layer."""
+    from kveval.models import build_tiny_model
+
+    model = build_tiny_model("tiny-llama") if model is None else model
+    ids = torch.randint(4, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    config = json.loads(re.search(r"cache_config=(\{.*?\})", line).group(1))
+    new_tokens = int(re.search(r"max_new_tokens=(\d+)", line).group(1))
+    built = {}
+    generate = model.generate
+
+    def keeping_the_cache(**kwargs):
+        out = generate(**kwargs, do_sample=False, min_new_tokens=new_tokens, return_dict_in_generate=True)
+        built["cache"] = out.past_key_values
+        return out.sequences
+
+    namespace = {"model": SimpleNamespace(generate=keeping_the_cache), "inputs": {"input_ids": ids}}
+    exec(compile(line, "<deploy>", "exec"), namespace)  # noqa: S102 - kveval's own printed code, on a tiny model
+    assert namespace["out"].shape == (1, 40 + new_tokens)
+    cache = built["cache"]
+    assert type(cache).__name__ == "QuantizedCache" and len(cache.layers) == model.config.num_hidden_layers
+    backend = {"quanto": "QuantoQuantizedLayer", "hqq": "HQQQuantizedLayer", "fp8": "Fp8QuantizedLayer"}
+    for layer in cache.layers:
+        assert type(layer).__name__ == backend[config["backend"]]
+        for key, value in config.items():
+            if key != "backend":
+                assert getattr(layer, key) == value, (key, getattr(layer, key), value)
 
 
 def test_the_vllm_plan_is_the_best_one_type_with_skipped_layers(engine_scan):
@@ -241,11 +275,9 @@ def test_an_expressible_policy_of_each_engine(tmp_path):
 
 
 def test_transformers_code_runs(tiny_llama):
-    """The printed transformers call generates through the real QuantizedCache (quanto, hqq, fp8)."""
-    import torch
-
+    """The printed transformers call generates through the real QuantizedCache (quanto, hqq, fp8) with exactly the
+    printed configuration."""
     model, tok = tiny_llama
-    inputs = {"input_ids": torch.randint(4, 200, (1, 12)), "attention_mask": torch.ones(1, 12, dtype=torch.long)}
     arch = Arch.from_model(model)
     for cfg in ("hf_quanto_int4", {"preset": "hf_hqq_int4", "residual": 8, "spec": {"preset": "hqq4_g32"}}, "hf_fp8"):
         policy = KVPolicy.from_config(cfg, name="p")
@@ -253,9 +285,7 @@ def test_transformers_code_runs(tiny_llama):
             policy = KVPolicy.from_config({"preset": "hf_quanto_int4", "spec": {"preset": "int4_g32",
                                                                                 "scale_dtype": "model"}})
         (line,) = express(ENGINES["transformers"], policy, arch, "M").lines
-        scope = {"model": model, "inputs": inputs}
-        exec(compile(line, "<deploy>", "exec"), scope)  # noqa: S102 - the printed code, on a tiny model
-        assert scope["out"].shape[1] > 12
+        _run_the_transformers_line(line, model)
 
 
 def test_measured_costs_come_from_a_run_folder(scan, tmp_path):
