@@ -58,9 +58,36 @@ def test_iq4_nl_worked_example():
     assert raw[4:] == [8 | 8 << 4] * 14
 
 
+def _ggml_best_index(x: torch.Tensor) -> torch.Tensor:
+    """``best_index_int8`` (src/ggml-quants.c) as written, element-wise: the end clamps, the neighbours found by
+    the binary search, and ``x - val[mu-1] < val[mu] - x ? mu-1 : mu`` in float32."""
+    n = VALUES.numel()
+    mu = torch.searchsorted(VALUES, x.contiguous(), right=True).clamp_(1, n - 1)  # first entry > x
+    lo, hi = VALUES[mu - 1], VALUES[mu]
+    idx = torch.where((x - lo) < (hi - x), mu - 1, mu)
+    idx = torch.where(x <= VALUES[0], torch.zeros_like(idx), idx)
+    return torch.where(x >= VALUES[-1], torch.full_like(idx, n - 1), idx)
+
+
 def test_iq4_nl_best_index_ties_go_up_and_ends_clamp():
     x = torch.tensor([-200.0, -127.0, -115.5, -115.4, -115.6, 7.0, 6.9, 113.0, 500.0, 101.0])
     assert best_index(x, VALUES).tolist() == [0, 0, 1, 1, 0, 9, 8, 15, 15, 15]
+
+
+def test_iq4_nl_best_index_equals_ggml_on_every_float_near_a_midpoint():
+    """Every float32 within 1e-3 of each midpoint of neighbouring codebook entries (where float32 rounding of the
+    two differences could matter), the codebook entries and their neighbours, +-0, the ends, and 2M random values
+    over [-140, 130] and over +-1e-3: the same index as ggml's code."""
+    near = []
+    for m in ((VALUES[1:] + VALUES[:-1]) / 2).tolist():
+        a, b = (torch.tensor(m + e, dtype=torch.float32).view(torch.int32).item() for e in (-1e-3, 1e-3))
+        near.append(torch.arange(min(a, b), max(a, b) + 1, dtype=torch.int32).view(torch.float32))
+    g = torch.Generator().manual_seed(0)
+    entries = torch.cat([VALUES, torch.nextafter(VALUES, VALUES - 1), torch.nextafter(VALUES, VALUES + 1)])
+    x = torch.cat([*near, entries, torch.tensor([0.0, -0.0, -1e30, 1e30, -127.0, 113.0]),
+                   torch.rand(1_000_000, generator=g) * 270 - 140, (torch.rand(1_000_000, generator=g) - 0.5) * 2e-3])
+    assert sum(t.numel() for t in near) > 15 * 200  # each interval enumerated, not a handful of points
+    assert torch.equal(best_index(x, VALUES), _ggml_best_index(x))
 
 
 def test_iq4_nl_zero_block_and_first_max():
