@@ -102,6 +102,31 @@ def test_e2m1_ties_up_and_away():
     assert e2m1_half_up(torch.tensor([0.25, 1.25, 5.0, -0.1, -0.0])).tolist() == [1, 3, 7, 8, 0]
 
 
+def test_e2m1_roundings_equal_the_midpoint_rules_on_every_float_near_a_bound():
+    """The three E2M1 roundings against their rules written out (one comparison per midpoint, ties as each system
+    breaks them) on every float32 within 1e-3 of each midpoint and non-zero magnitude, both signs, tiny values,
+    and 2M random values over [-8, 8]; float64 and bfloat16 inputs too."""
+    mids = [(a + b) / 2 for a, b in zip(MAGS, MAGS[1:])]
+    tie_up = [nearest(m, MAGS, "even") > i for i, m in enumerate(mids)]  # ties to even: up where the upper is even
+    near = []
+    for p in mids + MAGS[1:]:  # (every float near 0 would be a billion of them: the tiny ones are listed below)
+        a, b = (torch.tensor(p + e, dtype=torch.float32).view(torch.int32).item() for e in (-1e-3, 1e-3))
+        near.append(torch.arange(min(a, b), max(a, b) + 1, dtype=torch.int32).view(torch.float32))
+    g = torch.Generator().manual_seed(0)
+    y = torch.cat([*near, torch.rand(2_000_000, generator=g) * 16 - 8,
+                   torch.tensor([0.0, 1e-45, 1e-38, 1e-30, 1e-3, 1e30])])
+    y = torch.cat([y, -y])
+    for x in (y, y.double(), y.bfloat16()):
+        a = x.abs()
+        rne = sum(((a >= m) if up else (a > m)).long() for m, up in zip(mids, tie_up))
+        assert torch.equal(e2m1_rne(x), (rne | (torch.signbit(x).long() << 3)).to(torch.uint8))
+        up = sum((a >= m).long() for m in mids)
+        assert torch.equal(e2m1_half_up(x), (up | ((x < 0).long() << 3)).to(torch.uint8))
+        away = torch.copysign(torch.tensor(MAGS, dtype=x.dtype)[up], x)
+        assert torch.equal(e2m1_half_away_value(x), away) and e2m1_half_away_value(x).dtype == x.dtype
+    assert sum(t.numel() for t in near) > 15 * 1000
+
+
 def test_all_256_e4m3_codes():
     got = e4m3_to_float(torch.arange(256), torch.float64).tolist()
     for b in range(256):

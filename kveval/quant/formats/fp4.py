@@ -67,7 +67,7 @@ from __future__ import annotations
 import torch
 
 from ..packing import unpack
-from .base import QParams, Spec, check_finite, minmax, nonzero, store
+from .base import QParams, Spec, check_finite, count_reached, minmax, nonzero, store
 from .segment import QuantFormat
 
 #: magnitudes of the E2M1 codes 0..7 (codes 8..15: the same, negative)
@@ -91,31 +91,21 @@ def e2m1_values(dtype: torch.dtype = torch.float32, device: torch.device | str |
 def e2m1_rne(y: torch.Tensor) -> torch.Tensor:
     """Codes (uint8, y's shape) of y rounded to nearest E2M1, ties to even, saturating at +-6; the sign bit is
     y's sign bit (-0.0 and -0.1 -> 8). Worked: [0.25, 0.75, 2.5, 5, 7, -3.4] -> [0, 2, 4, 6, 7, 13]."""
-    a = y.abs()
-    m = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
-    for b, up in zip(_MIDPOINTS, _TIE_UP):
-        m += (a >= b) if up else (a > b)
-    return m | (torch.signbit(y).to(torch.uint8) << 3)
+    return count_reached(y.abs(), _MIDPOINTS, _TIE_UP) | (torch.signbit(y).to(torch.uint8) << 3)
 
 
 def e2m1_half_up(y: torch.Tensor) -> torch.Tensor:
     """SGLang's codes: magnitude index = how many of the midpoints 0.25 .. 5 |y| reaches (``>=``: ties round up,
     anything >= 5 is 6), sign bit for y < 0 (-0.0 -> 0). Worked: [0.25, 1.25, 5, -0.1, -0.0] -> [1, 3, 7, 8, 0]."""
-    a = y.abs()
-    m = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
-    for b in _MIDPOINTS:
-        m += a >= b
-    return m | ((y < 0).to(torch.uint8) << 3)
+    return count_reached(y.abs(), _MIDPOINTS) | ((y < 0).to(torch.uint8) << 3)
 
 
 def e2m1_half_away_value(y: torch.Tensor) -> torch.Tensor:
     """vLLM's ``round_to_nearest_e2m1`` (the 4-over-6 error estimate): the E2M1 value nearest y, ties away from
-    zero, |y| >= 5 -> 6, with y's sign (copysign)."""
-    a = y.abs()
-    q = torch.zeros_like(a)
-    for b, hi in zip(_MIDPOINTS, E2M1_MAGNITUDES[1:]):
-        q = torch.where(a >= b, torch.full_like(a, hi), q)
-    return torch.copysign(q, y)
+    zero, |y| >= 5 -> 6, with y's sign (copysign): the magnitude whose index is the number of midpoints |y|
+    reaches."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=y.dtype, device=y.device)
+    return torch.copysign(mags[count_reached(y.abs(), _MIDPOINTS).long()], y)
 
 
 def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import QParams, Spec, check_finite
+from .base import QParams, Spec, check_finite, count_reached
 from .ggml import GgmlFormat
 
 NAME = "iq4_nl"
@@ -49,12 +49,12 @@ def best_index(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """ggml's ``best_index_int8`` over the sorted integer codebook ``values [16]`` for every element of x (float32):
     int64 indices of x's shape. ggml clamps the ends (x <= values[0] -> 0, x >= values[-1] -> 15), binary-searches
     the neighbours lo <= x < hi and takes ``x - lo < hi - x ? lo : hi`` in float32, so the upper neighbour wins
-    ties. That is the number of midpoints ``(lo + hi) / 2`` at or below x, one ``bucketize``: the midpoints of
+    ties. That is the number of midpoints ``(lo + hi) / 2`` x reaches (``count_reached``): the midpoints of
     integers are exact in float32, and the two float32 differences can only round the comparison the other way
     within 2^-17 of a midpoint, where both are exact (tests/quant/test_quant_llamacpp.py checks every float32 within
     1e-3 of each midpoint against the transcription of ggml's code)."""
-    midpoints = (values[1:] + values[:-1]) / 2
-    return torch.bucketize(x, midpoints, right=True)
+    midpoints = ((values[1:] + values[:-1]) / 2).tolist()
+    return count_reached(x, midpoints).long()
 
 
 def iq4_nl_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
