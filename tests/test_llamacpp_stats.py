@@ -41,6 +41,7 @@ from kveval.stats import (
     samples_to_resolve,
     size_to_decide,
     tokens_to_resolve,
+    top_index,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +119,24 @@ def test_token_values_with_reused_buffers_are_the_same_bits():
         kept.append((got, {k: v.clone() for k, v in got.items()}))
     for got, copy in kept:  # later comparisons left earlier results alone
         assert all(torch.equal(got[k], copy[k]) for k in got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_top_index_is_the_first_maximum_ties_included(dtype):
+    """``top_index`` (``torch.max(dim)``, the comparisons' top-1 term) against numpy's argmax (the first maximal
+    index, documented), independent of torch: rows full of ties (three values), -0.0 beside +0.0, vocabularies
+    that are and are not multiples of the vector width, a transposed (strided) tensor and one row."""
+    g = torch.Generator().manual_seed(11)
+    for n, vocab in ((1, 1), (3, 7), (17, 64), (5, 1000), (9, 49152), (2, 49157)):
+        x = torch.randint(-1, 2, (n, vocab), generator=g).to(torch.float64)
+        x[:, ::3] *= -0.0  # -0.0 == +0.0: ties between signed zeros
+        x = x.to(dtype)
+        for t in (x, x.t().contiguous().t()):
+            want = np.argmax(t.double().numpy(), axis=1)
+            got = top_index(t)
+            assert got.dtype == torch.int64
+            assert got.tolist() == want.tolist()
+            assert torch.equal(got, t.argmax(-1))
 
 
 def _hand_example():

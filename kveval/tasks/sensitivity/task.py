@@ -26,6 +26,7 @@ import torch
 from kveval.data import token_windows
 from kveval.errors import KvevalError
 from kveval.policy.selectors import layers_of
+from kveval.stats import top_index
 from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
 from kveval.tasks.sensitivity.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
 
@@ -78,7 +79,7 @@ def baseline_terms(base_logits: torch.Tensor) -> dict:
     Σ_v p_base log p_base ``[n]`` and the baseline's argmax ``[n]``."""
     logp = torch.log_softmax(base_logits.double(), dim=-1)
     p = logp.exp()
-    return {"p": p, "neg_entropy": torch.linalg.vecdot(p, logp), "argmax": base_logits.argmax(-1)}
+    return {"p": p, "neg_entropy": torch.linalg.vecdot(p, logp), "argmax": top_index(base_logits)}
 
 
 def compare(base: dict, logits: torch.Tensor, targets: torch.Tensor) -> dict:
@@ -91,7 +92,7 @@ def compare(base: dict, logits: torch.Tensor, targets: torch.Tensor) -> dict:
     lse = torch.logsumexp(z, dim=-1)
     kld = (base["neg_entropy"] - torch.linalg.vecdot(base["p"], z) + lse).clamp(min=0.0)
     nll = lse - z.gather(-1, targets[:, None]).squeeze(-1)
-    agree = logits.argmax(-1) == base["argmax"]
+    agree = top_index(logits) == base["argmax"]
     return {"kld_sum": float(kld.sum()), "nll_sum": float(nll.sum()), "agree_sum": float(agree.sum())}
 
 
