@@ -21,6 +21,23 @@ import pytest  # noqa: E402
 from kveval.models import load_model  # noqa: E402
 
 
+@pytest.fixture
+def native_answers(monkeypatch) -> list[bool]:
+    """What every ``kveval.native.dequantize_int`` call of the test answered, in order (True: the native kernel
+    wrote the values; False: the caller took the eager path)."""
+    from kveval import native
+
+    answers: list[bool] = []
+    real = native.dequantize_int
+
+    def spy(*args, **kwargs):
+        answers.append(real(*args, **kwargs))
+        return answers[-1]
+
+    monkeypatch.setattr(native, "dequantize_int", spy)
+    return answers
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     """(model, tokenizer): builtin:tiny-llama, float32, seed 0."""

@@ -23,7 +23,7 @@ PACKAGE = ROOT / "kveval"
 # never above; inside a layer, folders may import each other only one way (no circle, checked below).
 LAYERS: list[tuple[str, ...]] = [
     ("kveval", "kveval.errors", "kveval.units", "kveval.paths", "kveval.fileio", "kveval.schema", "kveval.progress",
-     "kveval.stats", "kveval.rope", "kveval.gguf", "kveval.task_definitions"),  # foundations
+     "kveval.stats", "kveval.rope", "kveval.gguf", "kveval.task_definitions", "kveval.native"),  # foundations
     ("kveval.quant",),  # pure maths: formats, granularities, specs, rotations
     ("kveval.transforms",),  # K/V transforms on top of the quantizers
     ("kveval.policy",),  # what a policy is and when a token is quantized

@@ -84,6 +84,43 @@ def test_lean_equals_buffered_and_holds_its_bill(family):
     assert ran >= 4, (family, ran)
 
 
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3", "tiny-deepseek-v3", "tiny-falcon-h1"])
+def test_lean_reads_through_the_native_kernel_give_the_eager_reads_logits_in_float32(family, monkeypatch,
+                                                                                     native_answers):
+    """In float32 the lean path reads integer codes through ``kveval.native`` (one pass): the same logits, bit for
+    bit, as the same path reading them eagerly (``KVEVAL_NATIVE=0``), for per-group, per-token symmetric and
+    KIVI-style (per-channel keys, eager either way; per-token values, native) codes; the kernel did the reading in
+    the first and never in the second. (The float64 test above covers lean against buffered.)"""
+    from kveval import native
+
+    native.reset()
+    if native.library() is None:
+        pytest.skip("no C compiler: the lean path reads eagerly (the float64 test covers it)")
+    answers = native_answers
+    model = build_tiny_model(family)
+    ids, mask = _padded_batch(model)
+    kivi_like = KVPolicy.from_config({"key": {"preset": "int2_channel", "group_size": 4}, "value": "int2_g32",
+                                      "residual": 4, "residual_mode": {"key": "block", "value": "sliding_lag"}},
+                                     name="kivi2_r4")  # KIVI-2 with a window short enough for 20 positions
+    try:
+        for policy in (KVPolicy.preset("int4_g32"), KVPolicy.preset("int8"), kivi_like):
+            if policy is kivi_like and family == "tiny-deepseek-v3":
+                continue  # refused on an MLA latent: keys and values share c_kv (tests/test_architectures.py)
+            answers.clear()
+            fast = _generate(model, ids, mask, policy, "lean")[0]
+            assert answers and all(answers), (family, policy.name)
+            with monkeypatch.context() as m:
+                m.setenv("KVEVAL_NATIVE", "0")
+                native.reset()
+                answers.clear()
+                eager = _generate(model, ids, mask, policy, "lean")[0]
+                assert answers and not any(answers), (family, policy.name)
+            native.reset()
+            assert torch.equal(fast, eager), (family, policy.name, float((fast - eager).abs().max()))
+    finally:
+        native.reset()
+
+
 def test_lean_cache_holds_its_bill_where_the_buffered_one_holds_more_than_a_dynamic_cache():
     """The pitfall the lean path removes (tiny-llama, float32, 200-token prompt + 56 new tokens, int4_g32)."""
     model = build_tiny_model("tiny-llama")

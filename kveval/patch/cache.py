@@ -147,8 +147,13 @@ class StoredChunk:
 
     def read_storage_into(self, out: torch.Tensor) -> None:
         """``out[...] = read_storage()`` without a temporary of the tokens' size (``out``: a slice of a read
-        buffer, ``[batch, kv_heads, tokens, head_dim]``): the lean path's decode step."""
-        dequantize_into(self._unpacked(), out)
+        buffer, ``[batch, kv_heads, tokens, head_dim]``): the lean path's decode step, from the packed rows
+        (``spec.fmt.read_packed_into``: one native pass for integer codes)."""
+        spec = self.qt.spec
+        if spec.is_none or not self.packed.numel():
+            dequantize_into(self._unpacked(), out)
+        else:
+            spec.fmt.read_packed_into(self.qt, self.packed, self.n_codes, out)
 
     def _unpacked(self) -> QuantizedTensor:
         """The QuantizedTensor with its codes unpacked from ``packed`` (``spec.fmt.unpack``)."""

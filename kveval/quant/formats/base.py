@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -294,6 +294,12 @@ class TensorFormat(ABC):
         along T as a slice of a read buffer is). Formats that can decode in place override it (`IntFormat`);
         this default copies."""
         out.copy_(self.dequantize_tensor(qt))
+
+    def read_packed_into(self, qt: Any, packed: torch.Tensor, n_codes: int, out: torch.Tensor) -> None:
+        """Write the values of ``qt``, whose codes are held as ``packed`` (this format's `pack` rows of ``n_codes``
+        codes; ``qt``'s own codes are empty), into ``out`` (as `dequantize_into`): a stored chunk's read. This
+        default unpacks, then `dequantize_into`; `IntFormat` reads the packed rows in one pass (`kveval.native`)."""
+        self.dequantize_into(replace(qt, codes=self.unpack(packed, qt.spec, n_codes)), out)
 
     @abstractmethod
     def tensor_nbytes(self, spec: Spec, shape: tuple[int, int, int, int], dtype: torch.dtype, static: bool,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ... import native
 from .base import SCALE_TORCH_DTYPES, QParams, Spec, nonzero, store, symmetric_qparams
 from .segment import QuantFormat
 
@@ -111,6 +112,23 @@ class IntFormat(QuantFormat):
         zp_all = None if qt.zero_point is None else qt.zero_point.to(out.dtype)
         for ov, _, sl in qt.spec.gran.segments(out, qt.channel_block):
             self.reconstruct_(ov, s_all[:, :, sl], None if zp_all is None else zp_all[:, :, sl], qt.spec)
+
+    def read_packed_into(self, qt: Any, packed: torch.Tensor, n_codes: int, out: torch.Tensor) -> None:
+        """The packed rows read in one pass by the native kernel (`kveval.native.dequantize_int`: unpack, convert,
+        then `reconstruct_`'s arithmetic, the same bits) for float32 dynamic per-token, per-group and per-channel
+        (token-block) statistics; the default (unpack, then `dequantize_into`) for everything else and where the
+        kernel is not to be had."""
+        spec = qt.spec
+        if (qt.outlier_values is None and not qt.static and out.dtype == qt.dtype == torch.float32
+                and spec.granularity in ("token", "group", "channel") and n_codes == out.shape[-1]):
+            mode = "symmetric" if spec.mapping == "symmetric" else spec.zero_point
+            offset = 2 ** (spec.bits - 1) if self.code_dtype(spec) == torch.int8 else 0
+            zp = None if qt.zero_point is None else qt.zero_point.to(torch.float32)
+            block = qt.channel_block if spec.granularity == "channel" else 1  # the blocks `segments` reads
+            if block and native.dequantize_int(packed, qt.scale.to(torch.float32), zp, out, bits=spec.bits,
+                                               offset=offset, mode=mode, token_block=block):
+                return
+        super().read_packed_into(qt, packed, n_codes, out)
 
     def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         """One min/max pass, then divide, round, clamp, multiply in place on one temporary."""
