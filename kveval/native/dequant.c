@@ -1,6 +1,6 @@
 /* kveval's fused dequantization of packed integer codes (format 'int', per-token, per-group or per-channel
  * statistics), the lean read path's hot loop: unpack, convert, scale and offset in one pass over the output instead
- * of the five memory passes eager PyTorch makes. The same arithmetic as
+ * of the six memory passes eager PyTorch makes. The same arithmetic as
  * kveval.quant.formats.integer.IntFormat.reconstruct_, in float32, one rounding per operation (built with
  * -ffp-contract=off: no fused multiply-add):
  *   mode 0, symmetric:        x = 0 + q * s            (the +0 turns a -0.0 product into +0.0, as addcmul does)
