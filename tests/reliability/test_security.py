@@ -45,6 +45,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "llama.cpp's own llama-perplexity, built by scripts/build_llama_perplexity.sh into kveval's cache: argv lists "
         "(no shell) of that binary's path, kveval's GGUF and base-file paths, integers and llama.cpp cache types "
         "from its fixed table; and bash running that build script from kveval's own scripts/ folder",
+    ("kveval/native/__init__.py", "shell"):
+        "the C compiler ($CC, or cc / gcc / clang on PATH: the user's environment, never a config) compiling "
+        "kveval's own native/dequant.c into kveval's cache: an argv list (no shell) of the compiler, the constant "
+        "FLAGS and OPENMP, the package's source path and the cache target",
 }
 
 
