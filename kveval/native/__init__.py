@@ -1,13 +1,13 @@
 """Native (C) kernels for CPU hot paths that eager PyTorch runs as several memory passes, with the same numbers.
 
 One kernel today, ``dequant.c``: packed integer codes (format ``int``, per-token, per-group or per-channel
-statistics) unpacked,
-converted, scaled and offset in one pass over the output, the lean read path's decode step
+statistics) unpacked, converted, scaled and offset in one pass over the output, the lean read path's decode step
 (``kveval.quant.formats.integer.IntFormat.read_packed_into``). It is built on first use with the system C compiler
 (``$CC``, else ``cc``, ``gcc`` or ``clang``; 0.2-0.5 s) into ``<cache>/native/<key>/`` (the key hashes the source,
 the flags, the compiler and the machine), checked against the eager arithmetic on a fixed example, and loaded with
-ctypes. Without a compiler, with ``KVEVAL_NATIVE=0``, after a failed build or a failed check, ``dequantize_int``
-answers False and the caller takes the eager path: the same numbers, only slower.
+ctypes. Without a compiler, with ``KVEVAL_NATIVE=0``, with a cache folder it cannot write, after a failed build or
+a failed check, ``dequantize_int`` answers False and the caller takes the eager path: the same numbers, only
+slower.
 
 A build writes a temporary file and renames it into place, so runs that build at once each end with a whole
 library; a cached library that does not load (truncated, another machine's) is rebuilt once.
@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from kveval.errors import KvevalError
 
 SOURCE = Path(__file__).with_name("dequant.c")
 #: -ffp-contract=off: every multiply and add rounds on its own, as PyTorch's element-wise kernels do
@@ -48,7 +50,7 @@ def compiler() -> str | None:
 
 def library_path(cc: str) -> Path:
     """Where the library built by ``cc`` from this source is cached."""
-    from kveval.paths import cache_dir
+    from kveval.paths import cache_dir  # KvevalError when the cache folder cannot be used
 
     key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, OPENMP, cc, platform.machine(), sys.platform)).encode())
     return cache_dir("native", key.hexdigest()[:16]) / "libkveval_dequant.so"
@@ -103,7 +105,7 @@ def library() -> ctypes.CDLL | None:
         except OSError:  # a cached file that does not load: build it again, once
             _build(cc, path)
             lib = _load(path)
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, subprocess.SubprocessError, ValueError, KvevalError):
         return None
     _lib = lib if _self_check(lib) else None
     return _lib
