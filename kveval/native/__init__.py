@@ -105,8 +105,8 @@ def library() -> ctypes.CDLL | None:
         except OSError:  # a cached file that does not load: build it again, once
             _build(cc, path)
             lib = _load(path)
-    except (OSError, subprocess.SubprocessError, ValueError, KvevalError):
-        return None
+    except (OSError, AttributeError, subprocess.SubprocessError, ValueError, KvevalError):
+        return None  # no library to be had (AttributeError: one without the kernel's symbol)
     _lib = lib if _self_check(lib) else None
     return _lib
 

@@ -4,6 +4,7 @@ happens when it cannot be had: no compiler, switched off, a corrupted cached lib
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -109,13 +110,14 @@ def test_native_read_splits_large_reads_across_threads_with_the_same_bits(native
 
 
 def test_without_the_kernel_the_read_is_the_eager_path(monkeypatch, native_answers, fresh_native):
-    """KVEVAL_NATIVE=0, a compiler that does not exist, a cache folder that cannot be made: no library, the same
-    values by the eager path."""
+    """KVEVAL_NATIVE=0, a compiler that does not exist, one that fails, one that exits 0 and writes nothing, a cache
+    folder that cannot be made: no library, the same values by the eager path."""
     spec = QuantSpec(format="int", bits=4, granularity="group", group_size=32, mapping="asymmetric")
     x = torch.randn(1, 2, 9, 64, generator=torch.Generator().manual_seed(1))
     blocked = fresh_native.parent / "a-file"
     blocked.write_text("not a folder")
-    for env, value in (("KVEVAL_NATIVE", "0"), ("CC", str(fresh_native / "no-such-cc")),
+    broken = [("CC", c) for c in ("false", "true") if shutil.which(c)]  # a compiler that fails, one that writes nothing
+    for env, value in (("KVEVAL_NATIVE", "0"), ("CC", str(fresh_native / "no-such-cc")), *broken,
                        ("KVEVAL_CACHE", str(blocked))):  # a cache folder that cannot be made
         with monkeypatch.context() as m:
             m.setenv(env, value)
