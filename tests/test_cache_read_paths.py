@@ -89,14 +89,13 @@ def test_lean_reads_through_the_native_kernel_give_the_eager_reads_logits_in_flo
                                                                                      native_answers):
     """In float32 the lean path reads integer codes through ``kveval.native`` (one pass): the same logits, bit for
     bit, as the same path reading them eagerly (``KVEVAL_NATIVE=0``), for per-group, per-token symmetric and
-    KIVI-style (per-channel keys, eager either way; per-token values, native) codes; the kernel did the reading in
-    the first and never in the second. (The float64 test above covers lean against buffered.)"""
+    KIVI-style (per-channel keys in token blocks, per-group values) codes; the kernel did the reading in the first
+    and never in the second. (The float64 test above covers lean against buffered.)"""
     from kveval import native
 
     native.reset()
     if native.library() is None:
         pytest.skip("no C compiler: the lean path reads eagerly (the float64 test covers it)")
-    answers = native_answers
     model = build_tiny_model(family)
     ids, mask = _padded_batch(model)
     kivi_like = KVPolicy.from_config({"key": {"preset": "int2_channel", "group_size": 4}, "value": "int2_g32",
@@ -106,15 +105,15 @@ def test_lean_reads_through_the_native_kernel_give_the_eager_reads_logits_in_flo
         for policy in (KVPolicy.preset("int4_g32"), KVPolicy.preset("int8"), kivi_like):
             if policy is kivi_like and family == "tiny-deepseek-v3":
                 continue  # refused on an MLA latent: keys and values share c_kv (tests/test_architectures.py)
-            answers.clear()
+            native_answers.clear()
             fast = _generate(model, ids, mask, policy, "lean")[0]
-            assert answers and all(answers), (family, policy.name)
+            assert native_answers and all(native_answers), (family, policy.name)
             with monkeypatch.context() as m:
                 m.setenv("KVEVAL_NATIVE", "0")
                 native.reset()
-                answers.clear()
+                native_answers.clear()
                 eager = _generate(model, ids, mask, policy, "lean")[0]
-                assert answers and not any(answers), (family, policy.name)
+                assert native_answers and not any(native_answers), (family, policy.name)
             native.reset()
             assert torch.equal(fast, eager), (family, policy.name, float((fast - eager).abs().max()))
     finally:
