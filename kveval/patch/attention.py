@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -70,20 +71,51 @@ def inner_mask(mask: torch.Tensor, implementation: str, dtype: torch.dtype) -> t
     return mask
 
 
+#: keywords with which ``grouped_sdpa`` leaves a call to transformers' own function (its other keywords are ignored
+#: by both alike)
+STOCK_ONLY_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, *args, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' ``sdpa_attention_forward``, with the case where it copies the key/value heads computed without
+    the copy: a GQA layer (``module.num_key_value_groups`` > 1) on the CPU with a bool mask and several queries,
+    where transformers expands keys and values to one head per query head (``repeat_kv``) and calls SDPA with the
+    mask. Here SDPA gets the grouped keys/values and ``enable_gqa=True``: PyTorch's CPU kernel then reads each query
+    head's group in place, the same arithmetic on the same values, so the same output bit for bit
+    (tests/test_attention.py compares the two over dtypes, head sizes, lengths and masks). Every other call
+    (CUDA, where transformers keeps the expansion because a masked GQA call can leave the fused kernels; no mask;
+    one query; dropout; a float mask; ``STOCK_ONLY_KWARGS``) goes to transformers' function unchanged.
+
+    The emulation's chunks are such calls: queries ``[batch, heads, rows, head_dim]`` over the kept keys of every
+    version with an explicit mask ``[batch or 1, 1, rows, keys]``; output ``[batch, rows, heads, v_head_dim]``."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (args or groups <= 1 or attention_mask is None or attention_mask.dtype != torch.bool
+            or query.shape[2] <= 1 or query.device.type != "cpu" or dropout or query.shape[1] != key.shape[1] * groups
+            or any(kwargs.get(k) is not None and kwargs.get(k) is not False for k in STOCK_ONLY_KWARGS)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def attention_call(stock: Callable, value_q: TensorQuantizer, rope=None) -> Callable:
     """The attention function a patched layer calls: the stock signature plus ``key_positions``,
     ``fn(module, query, key, value, attention_mask, *args, key_positions=None, **kwargs) -> (output, weights)``,
     query ``[batch, heads, Tq, head_dim]``, key/value ``[batch, kv_heads, Tk, head_dim]``, output ``[batch, Tq,
     heads, head_dim]``.
 
-    Without an attention hook on the value chain this is ``stock`` (``key_positions`` is dropped). With one, the
+    Without an attention hook on the value chain this is ``stock`` (``key_positions`` is dropped; transformers'
+    SDPA function as ``grouped_sdpa``, the same numbers without the copies of grouped heads). With one, the
     hook computes the output (weights None) from: the mask as bool (``allowed_mask``; no mask with
     ``is_causal=False``: every key), ``key_positions`` int64 ``[Tk]`` (default 0..Tk-1: keys in position order from
     the first token) and the softmax scale (the ``scaling`` keyword, else ``module.scaling``, else
     head_dim^-0.5). Attention with soft-capped logits, sinks or a position bias is refused (KvevalError)."""
     if not value_q.replaces_attention:
+        call = grouped_sdpa if stock is sdpa_attention_forward else stock
+
         def plain(module, query, key, value, attention_mask, *args, key_positions=None, **kwargs):
-            return stock(module, query, key, value, attention_mask, *args, **kwargs)
+            return call(module, query, key, value, attention_mask, *args, **kwargs)
         return plain
 
     def hooked(module, query, key, value, attention_mask, *args, key_positions=None, **kwargs):
