@@ -27,24 +27,25 @@ def stock_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def _inputs(batch, heads, kv_heads, q_len, k_len, dim, v_dim, dtype, seed=0, mask_batch=1):
+def _inputs(batch, heads, kv_heads, q_len, k_len, dim, v_dim, dtype, seed=0, mask_batch=1, mask_heads=1):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, q_len, dim, generator=gen).to(dtype)
     k = torch.randn(batch, kv_heads, k_len, dim, generator=gen).to(dtype)
     v = torch.randn(batch, kv_heads, k_len, v_dim, generator=gen).to(dtype)
-    mask = torch.rand(mask_batch, 1, q_len, k_len, generator=gen) > 0.4
+    mask = torch.rand(mask_batch, mask_heads, q_len, k_len, generator=gen) > 0.4
     mask[..., 0] = True
     return q, k, v, mask
 
 
-CASES = [  # (batch, heads, kv_heads, q_len, k_len, dim, v_dim, mask batch)
-    (1, 9, 3, 256, 2048, 64, 64, 1),  # the builtin model's chunk of decoded queries
-    (1, 9, 3, 256, 700, 64, 64, 1),
-    (2, 8, 2, 33, 97, 40, 40, 2),  # a mask per row (left padding)
-    (2, 4, 1, 300, 300, 128, 128, 1),
-    (1, 8, 2, 768, 1900, 80, 80, 1),
-    (1, 8, 2, 7, 9, 192, 128, 1),  # key and value head sizes differ
-    (1, 4, 2, 40, 52, 32, 32, 1),  # the tiny models
+CASES = [  # (batch, heads, kv_heads, q_len, k_len, dim, v_dim, mask batch, mask heads)
+    (1, 9, 3, 256, 2048, 64, 64, 1, 1),  # the builtin model's chunk of decoded queries
+    (1, 9, 3, 256, 700, 64, 64, 1, 1),
+    (2, 8, 2, 33, 97, 40, 40, 2, 1),  # a mask per row (left padding)
+    (2, 4, 1, 300, 300, 128, 128, 1, 1),
+    (1, 8, 2, 768, 1900, 80, 80, 1, 1),
+    (1, 8, 2, 7, 9, 192, 128, 1, 1),  # key and value head sizes differ
+    (1, 4, 2, 40, 52, 32, 32, 1, 1),  # the tiny models
+    (2, 6, 2, 20, 30, 16, 16, 2, 6),  # a mask per row and head
 ]
 
 
@@ -54,8 +55,8 @@ def test_grouped_sdpa_equals_transformers_sdpa_bit_for_bit(case, dtype, stock_ca
     """Where transformers expands the key/value heads (GQA, a bool mask, several queries, CPU), ``grouped_sdpa``
     computes without the expansion and gives the same output, bit for bit, for every dtype, head size, length and
     mask layout here; transformers' function was not called."""
-    *shape, mask_batch = case
-    q, k, v, mask = _inputs(*shape, dtype, mask_batch=mask_batch)
+    *shape, mask_batch, mask_heads = case
+    q, k, v, mask = _inputs(*shape, dtype, mask_batch=mask_batch, mask_heads=mask_heads)
     module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], is_causal=True)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.125)
     got, weights = attention.grouped_sdpa(module, q, k, v, mask, dropout=0.0, scaling=0.125, position_ids=None)
@@ -108,6 +109,14 @@ def test_calls_grouped_sdpa_does_not_cover_go_to_transformers_unchanged(name, st
     torch.manual_seed(0)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)
     assert torch.equal(got, want)
+
+
+def test_a_torch_older_than_the_checked_one_gets_transformers_call(monkeypatch, stock_calls):
+    monkeypatch.setattr(attention, "_GROUPED", False)
+    q, k, v, mask = _inputs(1, 4, 2, 40, 52, 32, 32, torch.float32)
+    got, _ = attention.grouped_sdpa(SimpleNamespace(num_key_value_groups=2), q, k, v, mask)
+    assert stock_calls == [1]
+    assert torch.equal(got, sdpa_attention_forward(SimpleNamespace(num_key_value_groups=2), q, k, v, mask)[0])
 
 
 def test_softcap_is_refused_as_transformers_refuses_it(stock_calls):

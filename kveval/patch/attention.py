@@ -24,6 +24,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from kveval.errors import KvevalError
 
@@ -74,6 +75,11 @@ def inner_mask(mask: torch.Tensor, implementation: str, dtype: torch.dtype) -> t
 #: keywords with which ``grouped_sdpa`` leaves a call to transformers' own function (its other keywords are ignored
 #: by both alike)
 STOCK_ONLY_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")
+#: the oldest torch whose CPU kernel gives ``enable_gqa`` the bits of the expanded call, as tests/test_attention.py
+#: checks on the torch installed (``enable_gqa`` exists since 2.5; the versions between were not checked): with an
+#: older torch ``grouped_sdpa`` is transformers' function
+GROUPED_SDPA_TORCH = "2.13"
+_GROUPED = is_torch_greater_or_equal(GROUPED_SDPA_TORCH)
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, *args, dropout: float = 0.0, scaling=None, **kwargs):
@@ -89,7 +95,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, *args, dropout: floa
     The emulation's chunks are such calls: queries ``[batch, heads, rows, head_dim]`` over the kept keys of every
     version with an explicit mask ``[batch or 1, 1, rows, keys]``; output ``[batch, rows, heads, v_head_dim]``."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if (args or groups <= 1 or attention_mask is None or attention_mask.dtype != torch.bool
+    if (not _GROUPED or args or groups <= 1 or attention_mask is None or attention_mask.dtype != torch.bool
             or query.shape[2] <= 1 or query.device.type != "cpu" or dropout or query.shape[1] != key.shape[1] * groups
             or any(kwargs.get(k) is not None and kwargs.get(k) is not False for k in STOCK_ONLY_KWARGS)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, dropout=dropout,
