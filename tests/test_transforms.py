@@ -370,6 +370,48 @@ def test_an_attention_hook_refuses_soft_capping():
         attention_call(None, v_q)(torch.nn.Module(), q, q, q, None, softcap=50.0)
 
 
+def _fa3_out_of_place(q, k, v, allowed, scaling, block_n):
+    """FA3's tiles as ``_fa3_tiles`` wrote them out of place (every step a new tensor), over every key at once."""
+    import math
+
+    from kveval.transforms.fa3_fp8_attention import LOG2_E, MAX_OFFSET, round_p_to_e4m3, tile_layout
+
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    allowed = allowed.expand(*allowed.shape[:-2], q.shape[-2], k.shape[-2])
+    k, v, allowed, width = tile_layout(k, v, allowed, torch.arange(k.shape[-2]), block_n)
+    scores = (q @ k.transpose(-1, -2)).mul_(scaling * LOG2_E).masked_fill_(~allowed, -math.inf)
+    scores = scores.unflatten(-1, (-1, width))
+    running = scores.amax(-1).flip(-1).cummax(-1).values.flip(-1)
+    seen = running > -math.inf
+    p = torch.exp2(scores - (torch.where(seen, running, 0.0) - MAX_OFFSET).unsqueeze(-1))
+    rescale = torch.where(seen, torch.exp2(running - running[..., :1]), 0.0).unsqueeze(-1)
+    row_sum = (p.sum(-1, keepdim=True) * rescale).sum(-2)
+    out = round_p_to_e4m3(p).mul_(rescale).flatten(-2) @ v
+    return out * torch.where(row_sum > 0, 1.0 / row_sum, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa3_tiles_computed_in_place_give_the_bits_of_the_out_of_place_steps(dtype, causal):
+    """``fa3_fp8_attention`` computes P in the scores' buffer and rounds it there, and keeps whole tiles unpadded:
+    the same bits as every step out of place (``_fa3_out_of_place``), with one row block of 64 queries covering
+    the keys (so both see the same tiles), GQA heads, whole and partial tiles."""
+    from kveval.transforms.fa3_fp8_attention import fa3_fp8_attention
+
+    gen = torch.Generator().manual_seed(5)
+    for n_keys in (256, 200):  # two whole tiles of 128; a partial last tile
+        q = torch.randn(2, 6, 64, 32, generator=gen).to(dtype)
+        k, v = (torch.randn(2, 2, n_keys, 32, generator=gen).to(dtype) for _ in range(2))
+        if causal:
+            allowed = torch.ones(64, n_keys, dtype=torch.bool).tril(n_keys - 64)[None, None]
+        else:
+            allowed = torch.rand(2, 1, 64, n_keys, generator=gen) > 0.3
+        got = fa3_fp8_attention(q, k, v, allowed, torch.arange(n_keys), 0.17, 128)
+        want = _fa3_out_of_place(q, k, v, allowed, 0.17, 128)
+        assert torch.equal(got, want), (n_keys, causal)
+
+
 def test_round_p_to_e4m3_is_the_cast_on_sampled_float32():
     """The four-pass rounding of FA3's P equals the saturating E4M3 cast on every 97th float32 in [0, 256] (all
     of them were checked once: 1,132,462,081 values, 0 differences), ties and subnormals included, in float64 too."""
@@ -381,3 +423,10 @@ def test_round_p_to_e4m3_is_the_cast_on_sampled_float32():
     for v in (x, ties, ties.double()):
         assert torch.equal(round_p_to_e4m3(v), round_to_e4m3(v))
     assert round_p_to_e4m3(ties).tolist()[:4] == [0.0, 2.0**-8, 176.0, 128.0]
+    # in place (how FA3's tiles round P in the scores' buffer): the same values, written into the argument
+    for v in (x, ties, ties.double(), ties.bfloat16(), (x[::1000] * 0.5).bfloat16()):
+        want = round_p_to_e4m3(v)
+        buffer = v.clone()
+        got = round_p_to_e4m3(buffer, in_place=True)
+        assert got is buffer and torch.equal(got, want)
+        assert not torch.equal(v, want), "the sample must need rounding"

@@ -71,15 +71,20 @@ _E4M3_MIN_NORMAL_BITS = 0x3C800000
 _DROPPED_BITS = 23 - 3
 
 
-def round_p_to_e4m3(p: torch.Tensor) -> torch.Tensor:
+def round_p_to_e4m3(p: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
     """``round_to_e4m3`` for p in [0, 448] (the softmax's P lies in [0, 256]), in four float32 passes: x + c - c
     with c = 2^(max(e, -6) + 20), e the exponent of x, rounds x to multiples of 2^(max(e, -6) - 3), E4M3's step
     at x, ties to even (the float32 addition's own rounding). Checked equal to ``round_to_e4m3`` on every float32
-    in [0, 256] (tests/test_transforms.py samples them)."""
+    in [0, 256] (tests/test_transforms.py samples them). ``in_place``: written into p (float32 p: no new
+    ``[..]``-sized tensor but c), returned."""
     x = p.to(torch.float32)
     c = (x.view(torch.int32).bitwise_and(0x7F800000).clamp_min_(_E4M3_MIN_NORMAL_BITS)
          .add_(_DROPPED_BITS << 23).view(torch.float32))
-    return (x + c).sub_(c).to(p.dtype)
+    if not in_place:
+        return (x + c).sub_(c).to(p.dtype)
+    if x is p:
+        return p.add_(c).sub_(c)
+    return p.copy_(x.add_(c).sub_(c))
 
 
 def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -143,6 +148,8 @@ def tile_layout(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, key_pos
     size = n_tiles * width
     if torch.equal(dest, torch.arange(len(tiles), device=tiles.device)):  # only padding at the end
         pad = size - len(tiles)
+        if pad == 0:  # whole tiles: the tensors as they are (F.pad would copy them)
+            return k, v, allowed, width
         return (F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad)), F.pad(allowed, (0, pad), value=False), width)
     k_out = k.new_zeros((*k.shape[:-2], size, k.shape[-1])).index_copy_(-2, dest, k)
     v_out = v.new_zeros((*v.shape[:-2], size, v.shape[-1])).index_copy_(-2, dest, v)
@@ -160,10 +167,11 @@ def _fa3_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
     # running[..., t]: the max over tiles t, t+1, ... (FA3 processes them from the last), [batch, heads, Tq, n_tiles]
     running = scores.amax(-1).flip(-1).cummax(-1).values.flip(-1)
     seen = running > -math.inf  # False only where this tile and every later one are masked
-    p = torch.exp2(scores - (torch.where(seen, running, 0.0) - MAX_OFFSET).unsqueeze(-1))  # P in [0, 256]
+    # P in [0, 256], in the scores' buffer (the same ops as out of place: the same bits, no new [.., keys] tensors)
+    p = scores.sub_((torch.where(seen, running, 0.0) - MAX_OFFSET).unsqueeze(-1)).exp2_()
     rescale = torch.where(seen, torch.exp2(running - running[..., :1]), 0.0).unsqueeze(-1)  # later rescalings
     row_sum = (p.sum(-1, keepdim=True) * rescale).sum(-2)  # of the unrounded P, tile by tile, as FA3's row_sum
-    out = round_p_to_e4m3(p).mul_(rescale).flatten(-2) @ v
+    out = round_p_to_e4m3(p, in_place=True).mul_(rescale).flatten(-2) @ v
     return out * torch.where(row_sum > 0, 1.0 / row_sum, 0.0)
 
 
