@@ -89,6 +89,23 @@ def test_hqq_fit_with_the_call_stop_is_hqq_bit_for_bit(nbits):
         assert torch.equal(1.0 / c, meta["scale"]) and torch.equal(z, meta["zero"])
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_shrink_lp_is_hqqs_shrink_lp_op(in_place):
+    """kveval's shrink (the solver's, in place inside a step) is hqq's ``shrink_lp_op`` bit for bit, zeros (inf
+    inside, 0 out), signed zeros, tiny and large values included; in place it writes into its argument."""
+    from hqq.core.optimize import shrink_lp_op
+
+    from kveval.quant.formats.hqq import HQQ_BETA, HQQ_LP_NORM, shrink_lp
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(20000, generator=g), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-3, 0.1, 7.0, -3e4])])
+    want = shrink_lp_op(x.clone(), HQQ_BETA, HQQ_LP_NORM)
+    buffer = x.clone()
+    got = shrink_lp(buffer, HQQ_BETA, HQQ_LP_NORM, in_place=in_place)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    assert (got is buffer) == in_place and torch.equal(buffer, want if in_place else x)
+
+
 @pytest.mark.parametrize("nbits", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_format_stores_and_reads_what_hqq_does(nbits, dtype):

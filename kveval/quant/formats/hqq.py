@@ -74,13 +74,14 @@ BITS = (1, 2, 4, 8)
 WHOLE_VECTORS = 32
 
 
-def shrink_lp(x: torch.Tensor, beta: float, lp_norm: float) -> torch.Tensor:
+def shrink_lp(x: torch.Tensor, beta: float, lp_norm: float, *, in_place: bool = False) -> torch.Tensor:
     """hqq's ``shrink_lp_op`` (lp_norm < 1): ``sign(x) * max(|x| - (1/beta) * |x|^(lp_norm - 1), 0)``, elementwise,
-    in x's dtype (|x| = 0 gives inf inside and 0 out)."""
-    out = torch.abs(x)
-    out.sub_((1.0 / beta) * out.pow(lp_norm - 1)).clamp_min_(0.0)
-    out.mul_(torch.sign(x))
-    return out
+    in x's dtype (|x| = 0 gives inf inside and 0 out). ``in_place``: computed in x's buffer (the same operations,
+    the same bits), which is returned."""
+    sign = torch.sign(x)
+    out = x.abs_() if in_place else torch.abs(x)
+    out.sub_(out.pow(lp_norm - 1).mul_(1.0 / beta)).clamp_min_(0.0)
+    return out.mul_(sign)
 
 
 def hqq_start(w: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,11 +123,15 @@ def hqq_fit(w: torch.Tensor, bits: int, *, call_stop: bool = False,
 
 def _hqq_step(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step of HQQ's solver on groups w ``[..., g]`` with c, z ``[..., 1]``: (codes, w_r, the new zero)."""
-    w_q = torch.round(w * scale + zero).clamp_(0, top)
-    w_r = (w_q - zero) / scale
-    w_e = shrink_lp(w - w_r, HQQ_BETA, HQQ_LP_NORM)
-    return w_q, w_r, torch.mean(w_q - (w - w_e) * scale, dim=-1, keepdim=True)
+    """One step of HQQ's solver on groups w ``[..., g]`` with c, z ``[..., 1]``: (codes, w_r, the new zero).
+    hqq's expressions (``round(w * c + z)``, ``(q - z) / c``, ``shrink(w - w_r)``, ``mean(q - (w - e) * c)``),
+    each intermediate written into the buffer of the one before it where that one is not needed again: the same
+    operations on the same values, so the same bits, with 6 new tensors a step instead of 14."""
+    w_q = (w * scale).add_(zero).round_().clamp_(0, top)
+    w_r = (w_q - zero).div_(scale)
+    w_e = shrink_lp(w - w_r, HQQ_BETA, HQQ_LP_NORM, in_place=True)
+    moved = torch.sub(w, w_e, out=w_e).mul_(scale)  # (w - e) * c, in e's buffer
+    return w_q, w_r, torch.sub(w_q, moved, out=moved).mean(dim=-1, keepdim=True)
 
 
 def _solve_per_group(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, top: int, iters: int) -> torch.Tensor:
