@@ -90,7 +90,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, *args, dropout: floa
     head's group in place, the same arithmetic on the same values, so the same output bit for bit
     (tests/test_attention.py compares the two over dtypes, head sizes, lengths and masks). Every other call
     (CUDA, where transformers keeps the expansion because a masked GQA call can leave the fused kernels; no mask;
-    one query; dropout; a float mask; ``STOCK_ONLY_KWARGS``) goes to transformers' function unchanged.
+    one query; dropout; a float mask; ``STOCK_ONLY_KWARGS``; a torch older than ``GROUPED_SDPA_TORCH``) goes to
+    transformers' function unchanged.
 
     The emulation's chunks are such calls: queries ``[batch, heads, rows, head_dim]`` over the kept keys of every
     version with an explicit mask ``[batch or 1, 1, rows, keys]``; output ``[batch, rows, heads, v_head_dim]``."""

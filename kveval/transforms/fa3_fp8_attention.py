@@ -75,8 +75,8 @@ def round_p_to_e4m3(p: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
     """``round_to_e4m3`` for p in [0, 448] (the softmax's P lies in [0, 256]), in four float32 passes: x + c - c
     with c = 2^(max(e, -6) + 20), e the exponent of x, rounds x to multiples of 2^(max(e, -6) - 3), E4M3's step
     at x, ties to even (the float32 addition's own rounding). Checked equal to ``round_to_e4m3`` on every float32
-    in [0, 256] (tests/test_transforms.py samples them). ``in_place``: written into p (float32 p: no new
-    ``[..]``-sized tensor but c), returned."""
+    in [0, 256] (tests/test_transforms.py samples them). ``in_place``: the result is written into p and p is
+    returned (for a float32 p the only new tensor is c)."""
     x = p.to(torch.float32)
     c = (x.view(torch.int32).bitwise_and(0x7F800000).clamp_min_(_E4M3_MIN_NORMAL_BITS)
          .add_(_DROPPED_BITS << 23).view(torch.float32))
