@@ -66,7 +66,7 @@ class StageTimer:
     """Milliseconds spent in the cache's stages (``--stages``) during the decode steps of the running
     ``generate`` (after its first step stamp: the prefill is left out)."""
 
-    STAGES = ((cache_module.QuantizedKVLayer, "_assembled", "assemble"),
+    STAGES = ((cache_module.LeanQuantizedLayer, "_assembled", "assemble"),
               (cache_module.StoredChunk, "read_storage_into", "dequantize"),
               (cache_module.QuantizedKVLayer, "_flush", "quantize"))
 

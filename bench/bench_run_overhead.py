@@ -28,7 +28,8 @@ import torch
 import kveval.calibration.calibrate as calibrate_module
 import kveval.models as models_module
 import kveval.report as report_module
-import kveval.tasks.perplexity.task as perplexity_task
+import kveval.tasks.perplexity.aggregate as perplexity_aggregate
+import kveval.tasks.perplexity.scorer as perplexity_scorer
 from kveval.commands.run import run_experiment
 from kveval.config import load_config
 from kveval.data import load_tokens, token_windows
@@ -41,8 +42,8 @@ from kveval.results.layout import SCALES_FILE
 STAGES = (
     (models_module, "load_model", "model load"),
     (calibrate_module, "calibrate", "calibration"),
-    (perplexity_task, "_compare", "metrics (NLL, KLD, top-1)"),
-    (perplexity_task, "_summarise", "aggregation (bootstrap)"),
+    (perplexity_scorer, "_compare", "metrics (NLL, KLD, top-1)"),
+    (perplexity_aggregate, "_summarise", "aggregation (bootstrap)"),
     (report_module, "write_run_report", "report (tables, plots)"),
 )
 

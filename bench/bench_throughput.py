@@ -7,7 +7,7 @@
 
 Per point (seq_len, batch_size, policy): ``--windows`` windows of the builtin corpus (``token_windows``, as the task
 cuts them) in batches of ``batch_size``, each batch one forward pass that returns the metric logits the task
-compares (``kveval.tasks.perplexity.task._logits``: every position, float32), under ``emulate`` for a policy (``fp``:
+compares (``kveval.tasks.perplexity.scorer._logits``: every position, float32), under ``emulate`` for a policy (``fp``:
 the unpatched model, the task's baseline pass). ``--diagnostics`` times the passes with the task's per-layer
 error statistics on (its default; float64 work per layer).
 
@@ -74,7 +74,7 @@ def passes(model, group: list[torch.Tensor], policy_name: str, diagnostics: bool
     """Seconds of the forward passes over ``group`` (each ``[batch, T]``) as the task runs them."""
     from kveval.patch import emulate
     from kveval.policy import KVPolicy
-    from kveval.tasks.perplexity.task import _logits
+    from kveval.tasks.perplexity.scorer import _logits
 
     cuda = model.device.type == "cuda"
     policy = None if policy_name == FP else KVPolicy.preset(policy_name)

@@ -30,8 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kveval.memory", "kveval.scales"),  # the memory bill (pure arithmetic); calibrated parameters as data
     ("kveval.models", "kveval.data"),  # loading models and corpora
     ("kveval.patch", "kveval.weights", "kveval.results"),  # model plumbing; weight variants; run folders
+    ("kveval.report",),  # tables, figures, reports; the tasks' reporting plug-ins build on it
     ("kveval.tasks", "kveval.calibration", "kveval.parity"),  # evaluators; the calibration run; parity runs
-    ("kveval.report",),  # tables, figures, reports
     ("kveval.config",),  # the closed experiment schema (built from the tasks' parameters)
     ("kveval.sweep",),  # many runs
     ("kveval.commands",),  # the body of each verb

@@ -43,7 +43,9 @@ TITLES = {  # title -> (language, module path the doc gives the block, or None f
     "transform-test-example": ("python", "tests_test_transform_dct"),
     "quantspec-preset-example": ("python", None),
     "policy-preset-example": ("python", None),
-    "task-example": ("python", "kveval.tasks.divergence"),
+    "task-params-example": ("python", "kveval.tasks.divergence.params"),
+    "task-example": ("python", "kveval.tasks.divergence.task"),
+    "task-reporting-example": ("python", "kveval.tasks.divergence.reporting"),
     "task-test-example": ("python", "tests_test_divergence"),
     "task-preset-example": ("yaml", None),
     "model-check-example": ("python", "docs_model_check"),
@@ -238,8 +240,19 @@ def test_transform_reference_tests_of_the_doc_pass(transform, tiny_llama64, monk
 
 
 # -------------------------------------------------------------------------------------------------------- the task
-def test_task_module_params_preset_and_run(tiny_llama, tmp_path, monkeypatch):
+def load_task_package(monkeypatch) -> types.ModuleType:
+    """The doc's task package (``kveval.tasks.divergence``: params, task, reporting), its task module returned."""
+    package = types.ModuleType("kveval.tasks.divergence")
+    package.__path__ = []
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    load("task-params-example", monkeypatch)
     task = load("task-example", monkeypatch)
+    load("task-reporting-example", monkeypatch)
+    return task
+
+
+def test_task_module_params_preset_and_run(tiny_llama, tmp_path, monkeypatch):
+    task = load_task_package(monkeypatch)
     assert task.NAME == "divergence"
     assert task.Params().seq_len == 256 + 32
     for bad in ({"prompts": 0}, {"prompt_tokens": "64"}, {"new_token": 4}):

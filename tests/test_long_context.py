@@ -21,7 +21,7 @@ from kveval.stats import compare_logits
 from kveval.tasks._generation import generate_answer, generate_answers, greedy_tokens, left_padded
 
 EMULATE = importlib.import_module("kveval.patch.emulate")  # the module (kveval.patch.emulate is the function)
-PERPLEXITY = importlib.import_module("kveval.tasks.perplexity.task")
+PERPLEXITY = importlib.import_module("kveval.tasks.perplexity.scorer")
 
 CHANNEL2 = {"bits": 2, "granularity": "channel", "mapping": "asymmetric"}
 POLICIES = {

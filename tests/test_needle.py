@@ -12,7 +12,6 @@ from kveval.commands.run import run_experiment
 from kveval.config import validate
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
-from kveval.report.task_figures import plot_needle
 from kveval.tasks._generation import generate_answer
 from kveval.tasks.needle import task as needle
 from kveval.tasks.needle.prompts import (
@@ -24,6 +23,7 @@ from kveval.tasks.needle.prompts import (
     split_sentences,
     trial_rng,
 )
+from kveval.tasks.needle.reporting import plot_needle
 from kveval.tasks.needle.task import Params, aggregate, score_answer, trial_prompt
 
 CORPUS = (

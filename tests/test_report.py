@@ -12,7 +12,7 @@ import pytest
 
 from kveval.errors import KvevalError
 from kveval.report import load, plots, report_command, write_run_report
-from kveval.report.render import kv_pairs, reading_of
+from kveval.report.reading import kv_pairs, reading_of
 from kveval.report.synthetic import write_synthetic_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

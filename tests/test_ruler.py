@@ -18,7 +18,6 @@ from kveval.config import validate
 from kveval.data import load_text
 from kveval.errors import KvevalError
 from kveval.models import byte_tokenizer
-from kveval.report.task_figures import plot_ruler
 from kveval.tasks._prompts import SentenceTokens, split_sentences
 from kveval.tasks.ruler import task as ruler
 from kveval.tasks.ruler.prompts import (
@@ -30,6 +29,7 @@ from kveval.tasks.ruler.prompts import (
     fwe_counts,
     sample_rng,
 )
+from kveval.tasks.ruler.reporting import plot_ruler
 from kveval.tasks.ruler.scoring import postprocess, score, string_match_all, string_match_any
 from kveval.tasks.ruler.task import Params, aggregate
 from kveval.tasks.ruler.words import ADJECTIVES, NOUNS, VERBS, WORDS

@@ -19,7 +19,7 @@ from kveval.models import load_model
 from kveval.patch import emulate
 from kveval.policy import KVPolicy
 from kveval.stats import compare_logits
-from kveval.tasks.perplexity import task as perplexity
+from kveval.tasks.perplexity import scorer as perplexity
 
 POLICIES = [
     "int2_g32",

@@ -2,9 +2,9 @@
 
     used = check_scales(ctx)                          # {policy: sha256 of its scales file}; KvevalError otherwise
     reset = check_scales_unchanged(out_dir, {**used, **weight_files}, overwrite=False)
-    resolve_auto_scales(ctx)                           # calibrate once into <run>/scales.safetensors
+    resolve_auto_scales(ctx, folder)                   # calibrate once into <run>/scales.safetensors
 
-``ctx`` is the run's :class:`kveval.tasks.context.TaskContext`.
+``ctx`` is the run's :class:`kveval.tasks.context.CheckContext`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 
 from kveval.errors import KvevalError
-from kveval.results import SCALES_FILE, SCALES_USED_FILE
-from kveval.tasks.context import TaskContext
+from kveval.results import SCALES_FILE, SCALES_USED_FILE, RunDir
+from kveval.tasks.context import CheckContext
 
 #: The prefix of a GGUF weight variant's entry in ``scales_used.json`` (policy names cannot hold ``/``).
 WEIGHTS_KEY = "weights/"
@@ -49,7 +49,7 @@ def check_scales_unchanged(out_dir, scales_used: dict, *, overwrite: bool) -> bo
 
 
 
-def check_scales(ctx: TaskContext) -> dict:
+def check_scales(ctx: CheckContext) -> dict:
     """Scales files that policies name exist, fit the model and were not calibrated on the evaluated tokens;
     ``scales: auto`` has a calibration slice that fits the corpus and is disjoint from the evaluation.
     Returns ``{policy: sha256 of its scales file}`` for the policies that name a file."""
@@ -117,7 +117,7 @@ SOURCES_KEY = "scales_sources"
 NO_CHECKPOINT_SCALES = "no-checkpoint-scales"
 
 
-def _own_source(ctx: TaskContext, policy) -> dict | None:
+def _own_source(ctx: CheckContext, policy) -> dict | None:
     """Where a policy's scales come from when no checkpoint supplies them (None: dynamic scales only)."""
     from kveval.policy import AUTO_SCALES
 
@@ -134,7 +134,7 @@ def _own_source(ctx: TaskContext, policy) -> dict | None:
     return {"kind": "static", "describe": f"its spec's static scale {', '.join(values)}"}
 
 
-def resolve_checkpoint_scales(ctx: TaskContext) -> dict:
+def resolve_checkpoint_scales(ctx: CheckContext) -> dict:
     """Give every policy whose engine loads checkpoint KV scales (``vllm_fp8``, ``trtllm_int8``, ...: the presets
     of :data:`kveval.scales.checkpoint.PRESET_ENGINES`, unless the policy sets its own ``scales:``; any policy with
     ``scales: checkpoint``) the scales of the run's model folder, as that engine loads them; returns ``{policy:
@@ -161,16 +161,16 @@ def resolve_checkpoint_scales(ctx: TaskContext) -> dict:
     return {name: source for name, (_, source) in targets.items()}
 
 
-def scales_sources(ctx: TaskContext) -> dict:
+def scales_sources(ctx: CheckContext) -> dict:
     """``{policy: {"kind": checkpoint | file | auto | static | preset, "describe", ...}}``: where each policy's
     static scales came from (env.json's ``scales``; the report shows ``describe``)."""
     return dict(ctx.cache.get(SOURCES_KEY) or {})
 
 
 
-def resolve_auto_scales(ctx: TaskContext) -> None:
-    """Calibrate once per run for ``scales: auto`` policies (``<run>/scales.safetensors``, reused on resume) and
-    point those policies at the file."""
+def resolve_auto_scales(ctx: CheckContext, folder: RunDir) -> None:
+    """Calibrate once per run for ``scales: auto`` policies (``<run>/scales.safetensors`` in the open ``folder``,
+    reused on resume) and point those policies at the file."""
     from dataclasses import replace
 
     from kveval.calibration.calibrate import calibrate
@@ -179,7 +179,7 @@ def resolve_auto_scales(ctx: TaskContext) -> None:
     auto = [n for n, p in ctx.policies.items() if p.scales == AUTO_SCALES and p.needs_scales_file()]
     if not auto:
         return
-    path = ctx.run.path / SCALES_FILE
+    path = folder.path / SCALES_FILE
     fractions = {s.outliers for n in auto for s in ctx.policies[n].all_specs() if ctx.policies[n].uses_static(s)}
     if path.is_file():
         ctx.progress.log(f"calibration: reusing {path}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from kveval.results import (
 )
 from kveval.results.layout import TASK_ENTRIES
 from kveval.results.store import task_label, tokens_digest
-from kveval.tasks.context import TaskContext
+from kveval.tasks.context import CheckContext
 
 
 def merge(into: dict, part: dict) -> dict:
@@ -97,14 +98,42 @@ def run_experiment(
 
 def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrite: bool, quiet: bool,
                 config_path: str | None) -> dict:
-    """The body of :func:`run_experiment`, with the folder's lock held."""
-    from kveval.memory.fit import check_design
+    """The body of :func:`run_experiment`, with the folder's lock held, phase by phase: check (nothing written),
+    open the folder, run the tasks, write the metrics and the report."""
+    RunDir.check(out_dir, cfg.resolved(), overwrite=overwrite)  # before any slow work, and before any write
+    ctx = _load_and_check(cfg, runners, quiet=quiet)
+    checked = _check_folder(ctx, cfg, out_dir, overwrite=overwrite)
+
+    # every check has passed: the first write (overwrite removes kveval's own files only now)
+    run = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite, reset=checked.reset)
+    if checked.digest is not None:
+        run.record_tokens(checked.digest)
+    if checked.scales_used:
+        atomic_write_json(run.path / SCALES_USED_FILE, checked.scales_used)
+    resolve_auto_scales(ctx, run)
+    started = now()
+    env = _environment(ctx, config_path)
+    run.write_env(env, started=started)
+    metrics = _run_tasks(ctx, cfg, run, runners)
+    _complete(metrics, ctx, checked.plan)
+    run.write_metrics(metrics)
+    run.write_env(env, started=started, finished=now())
+    _print_tables(ctx.console, metrics, cfg)
+    from kveval.report import write_run_report
+
+    write_run_report(run.path)  # a report that fails is one line and a non-zero exit; the results stay
+    ctx.console.print(f"results: {run.path}/")
+    return metrics
+
+
+def _load_and_check(cfg: ExperimentConfig, runners: dict, *, quiet: bool) -> CheckContext:
+    """Load the model and check everything that needs it (nothing is written): the attention design under each
+    policy, the weight variants, every task's inputs. Returns the context the checks ran with."""
     from kveval.models import load_model, model_arch, model_info
+    from kveval.patch.layers import checked_design
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     policies = cfg.policies()
-    RunDir.check(out_dir, cfg.resolved(), overwrite=overwrite)  # before any slow work, and before any write
-
     seed_everything(cfg.seed)
     console.print(f"[bold]kveval[/] {cfg.name}: loading {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device})")
     model, tokenizer = load_model(
@@ -112,25 +141,40 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
         trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed,
         device_map=cfg.model.device_map, max_memory=cfg.model.max_memory,
     )
-    info = model_info(model)
     arch = model_arch(model)
-    for policy in policies.values():
-        check_design(arch, policy)  # a design kveval does not model under this policy: one line, before any write
+    for policy in policies.values():  # a design kveval does not model under a policy: one line, before any write;
+        checked_design(model, arch, policy)  # remembered, so that the emulation of every batch does not redo it
     weights = prepare_weights(cfg, model)  # shapes, group sizes, module kinds: before anything is written
-
-    ctx = TaskContext(
-        cfg=cfg, run=None, model=model, tokenizer=tokenizer, policies=policies, info=info,
+    ctx = CheckContext(
+        cfg=cfg, model=model, tokenizer=tokenizer, policies=policies, info=model_info(model),
         console=console, progress=Progress(console, quiet=quiet), weights=weights,
     )
     for entry in cfg.tasks:  # every input error surfaces before the results folder is touched
         check = getattr(runners[entry.kind], "check", None)
         if check is not None:
             check(ctx, entry.params)
+    return ctx
+
+
+@dataclass(frozen=True)
+class FolderChecks:
+    """What the checks against the results folder found, before its first write: ``scales_used`` (the digests of
+    the scales and weight files, ``scales_used.json``), ``reset`` (start the folder afresh), ``plan`` (the
+    planned config's predictions, or None) and ``digest`` (the corpus tokens', when a task loaded them)."""
+
+    scales_used: dict
+    reset: bool
+    plan: dict | None
+    digest: str | None
+
+
+def _check_folder(ctx: CheckContext, cfg: ExperimentConfig, out_dir: Path, *, overwrite: bool) -> FolderChecks:
+    """The checks of the folder's previous contents against this run of ``cfg`` (scales, plan, config, tokens)."""
     scales_used = {**check_scales(ctx), **weight_file_digests(ctx)}
     reset = check_scales_unchanged(out_dir, scales_used, overwrite=overwrite)
     plan = None
     if cfg.plan is not None:
-        from kveval.tasks.sensitivity.planner import plan_predictions
+        from kveval.policy.plan_file import plan_predictions
 
         plan = plan_predictions(cfg.plan)
     replace = RunDir.check(out_dir, cfg.resolved(), overwrite=overwrite) or reset
@@ -142,33 +186,37 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
             if not overwrite:
                 raise
             reset = True  # --overwrite: start afresh on the new tokens
+    return FolderChecks(scales_used=scales_used, reset=reset, plan=plan, digest=digest)
 
-    # every check has passed: the first write (overwrite removes kveval's own files only now)
-    run = ctx.run = ctx.folder = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite, reset=reset)
-    if digest is not None:
-        run.record_tokens(digest)
-    if scales_used:
-        atomic_write_json(run.path / SCALES_USED_FILE, scales_used)
-    resolve_auto_scales(ctx)
-    started = now()
-    env = environment(cfg.model.device)
+
+def _environment(ctx: CheckContext, config_path: str | None) -> dict:
+    """env.json's document of this run (versions, machine, command, weights and scales used); a dependency
+    outside kveval's tested range is a warning on stderr."""
+    env = environment(ctx.cfg.model.device)
     for line in env.get("untested_dependencies", []):
         print(f"kveval: warning: {line}; the results may be wrong without an error (reinstall with `make setup`)",
               file=sys.stderr)
     env["config_path"] = config_path
     env["command"] = f"kveval run {config_path}" if config_path else None
-    if weights:
+    if ctx.weights:
         env["weights"] = weights_info(ctx)
     if scales_sources(ctx):
         env["scales"] = scales_sources(ctx)  # where each policy's static scales came from (checkpoint, file, ...)
-    run.write_env(env, started=started)
-    metrics: dict = {"run": cfg.name, "model": cfg.model.name, BASELINE: {}, "policies": {n: {} for n in policies}}
+    return env
+
+
+def _run_tasks(ctx: CheckContext, cfg: ExperimentConfig, run: RunDir, runners: dict) -> dict:
+    """Every task entry of ``cfg`` in order, each with its own view of the folder's records; the merged metrics.
+    A task that fails on records it resumed from is one line (a bug on fresh records goes through whole)."""
+    metrics: dict = {"run": cfg.name, "model": cfg.model.name, BASELINE: {},
+                     "policies": {n: {} for n in ctx.policies}}
     kinds = [entry.kind for entry in cfg.tasks]
     for i, entry in enumerate(cfg.tasks):
         label = task_label(kinds, i)
-        view = ctx.run = run.task_view(f"{label}/" if label else "")  # the task sees its own records only
+        view = run.task_view(f"{label}/" if label else "")  # the task sees its own records only
         try:
-            add_task_metrics(metrics, runners[entry.kind].run(ctx, entry.params), entry.kind, label)
+            add_task_metrics(metrics, runners[entry.kind].run(ctx.for_entry(run, view), entry.params), entry.kind,
+                             label)
         except (AttributeError, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             if not view.resumed:  # nothing read back from the folder: a bug, shown in full
                 raise
@@ -178,10 +226,13 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
                 f"({type(exc).__name__}: {first}): a record was edited or written by another version; rerun with "
                 "--overwrite to start afresh"
             ) from None
-        finally:
-            ctx.run = run
+    return metrics
+
+
+def _complete(metrics: dict, ctx: CheckContext, plan: dict | None) -> None:
+    """The run-level fields beside the tasks' metrics: the memory bill, which weights, the plan's predictions."""
     merge(metrics, memory_fields(ctx))
-    if weights and isinstance(metrics.get("weights"), dict):  # which weights: first in each variant's entry
+    if ctx.weights and isinstance(metrics.get("weights"), dict):  # which weights: first in each variant's entry
         winfo = weights_info(ctx)
         measured = metrics["weights"].get("variants") or {}
         metrics["weights"] = {"reference": winfo["reference"],
@@ -189,19 +240,16 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
                                            for n, i in winfo["variants"].items()}}
     if plan is not None:
         metrics["plan"] = plan
-    run.write_metrics(metrics)
-    run.write_env(env, started=started, finished=now())
+
+
+def _print_tables(console: Console, metrics: dict, cfg: ExperimentConfig) -> None:
+    """The closing console tables: the summary, the weights x KV interaction, each later task entry's summary."""
     console.print(summary_table(metrics, cfg))
     if (metrics.get("weights") or {}).get("variants"):
         console.print(weights_interaction_table(metrics, cfg))
     for label, part in (metrics.get(TASK_ENTRIES) or {}).items():
         if part.get("policies"):
             console.print(summary_table(part_for_summary(metrics, part), cfg, label=f"{label} ({part['kind']})"))
-    from kveval.report import write_run_report
-
-    write_run_report(run.path)  # a report that fails is one line and a non-zero exit; the results stay
-    console.print(f"results: {run.path}/")
-    return metrics
 
 
 def prepare_weights(cfg: ExperimentConfig, model) -> dict:
@@ -216,7 +264,7 @@ def prepare_weights(cfg: ExperimentConfig, model) -> dict:
     return prepare_all(model, variants)
 
 
-def weights_info(ctx: TaskContext) -> dict:
+def weights_info(ctx: CheckContext) -> dict:
     """Which weights the run used (env.json's and metrics.json's ``weights``): the reference (the checkpoint as
     loaded) and per variant its spec, module groups, matrices, parameters quantized and stored bytes."""
     return {"reference": {"name": "fp", "weights": f"{ctx.cfg.model.name} as loaded ({ctx.info.get('dtype')})",
@@ -224,7 +272,7 @@ def weights_info(ctx: TaskContext) -> dict:
             "variants": {n: p.info() for n, p in ctx.weights.items()}}
 
 
-def weight_file_digests(ctx: TaskContext) -> dict:
+def weight_file_digests(ctx: CheckContext) -> dict:
     """``{weights/<variant>: xxh3-128 of its file}`` for the weight variants read from a GGUF file: kept beside
     the scales files' digests (``scales_used.json``), so that a resumed run whose GGUF file changed is refused like
     a changed scales file."""
@@ -238,7 +286,7 @@ def weight_file_digests(ctx: TaskContext) -> dict:
     return used
 
 
-def memory_fields(ctx: TaskContext) -> dict:
+def memory_fields(ctx: CheckContext) -> dict:
     """bytes_per_token, compression_vs_fp16, max_batch and bits_per_element per policy (FP16 storage of the
     full-precision parts), at the configured context (default: the longest window of the run's tasks)."""
     from kveval.memory import Arch

@@ -1,5 +1,6 @@
-"""The memory feature, pure arithmetic: the shape of a model's KV cache (``arch``), the exact bill of a policy
-(``bill``), and the rows of ``kveval memory`` and the memory fields of a run (``rows``).
+"""The memory feature, pure arithmetic: the shape of a model's KV cache (``arch``: the value object; read from a
+HF config by ``config_reader``, with the layer kinds, MLA latents and recurrent states of ``layer_kinds``), the
+exact bill of a policy (``bill``), and the rows of ``kveval memory`` and the memory fields of a run (``rows``).
 ``from kveval.memory import Arch, kv_bytes`` is the public entry point."""
 
 from kveval.memory.arch import NAMED_SHAPES, Arch, sliding_window_layers

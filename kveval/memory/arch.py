@@ -2,7 +2,9 @@
 bill, the real cache, the emulation and the scan read about a model without loading it.
 
 Pure data (no transformers import). A config is a transformers config object (its ``layer_types`` may be a
-property, as in Falcon-H1 or Jamba) or a dict (``to_dict()``, the JSON of config.json, a named shape).
+property, as in Falcon-H1 or Jamba) or a dict (``to_dict()``, the JSON of config.json, a named shape). It is read
+into an Arch's fields by :mod:`kveval.memory.config_reader`; the layer kinds and the two stores that are not plain
+K/V (:class:`Mla`, :class:`StateShape`) are :mod:`kveval.memory.layer_kinds`.
 
 Per layer, one of (``Arch.layer_kinds``, from the config's ``layer_types`` / ``layers_block_type``, else its
 ``sliding_window`` / ``attention_chunk_size``):
@@ -34,69 +36,22 @@ Mamba-2 conv ``[d_inner + 2 n_groups d_state, d_conv]``, SSM ``[n_heads, head_di
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from kveval.errors import KvevalError
+from kveval.memory.config_reader import arch_fields, layer_kinds_of, named_config, sliding_window_layers
+from kveval.memory.layer_kinds import (
+    KV_KINDS,
+    LAYER_KINDS,
+    RECURRENT_BYTES,
+    STATE_KINDS,
+    LayerKind,
+    Mla,
+    StateShape,
+    positive_int,
+)
 from kveval.memory.shapes import NAMED_SHAPES  # name -> a published model's config values
 from kveval.policy.parse import MLA_LAYOUTS
-
-LayerKind = Literal["full", "sliding", "chunked", "state", "hybrid", "hybrid_sliding", "none"]
-LAYER_KINDS: tuple[str, ...] = ("full", "sliding", "chunked", "state", "hybrid", "hybrid_sliding", "none")
-#: the kinds that hold K/V, and the kinds that hold a fixed-size state
-KV_KINDS = frozenset({"full", "sliding", "chunked", "hybrid", "hybrid_sliding"})
-STATE_KINDS = frozenset({"state", "hybrid", "hybrid_sliding"})
-#: a config's layer type -> kveval's kind (transformers' names, and the older names of hybrid configs)
-_TYPE_KINDS = {
-    "full_attention": "full", "attention": "full", "global": "full",
-    "sliding_attention": "sliding", "local": "sliding",
-    "chunked_attention": "chunked",
-    "linear_attention": "state", "conv": "state", "mamba": "state", "mamba2": "state",
-    "hybrid": "hybrid", "hybrid_sliding": "hybrid_sliding",
-    "mlp": "none", "moe": "none", "dummy": "none",
-}
-#: bytes per element of the recurrent (SSM) state as transformers 5.24 holds it (float32 on every backend it has)
-RECURRENT_BYTES = 4
-
-
-def positive_int(value: Any, what: str) -> int:
-    """``value`` when it is a positive int (not a bool); KvevalError naming ``what`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise KvevalError(f"{what} must be a positive integer; got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class Mla:
-    """Multi-head latent attention's dimensions: the latent ``kv_lora_rank``, the RoPE part ``qk_rope_head_dim``,
-    the per-head ``qk_nope_head_dim`` and ``v_head_dim`` that ``kv_b_proj`` decompresses to, and the query
-    ``heads``."""
-
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-    heads: int
-
-    def to_dict(self) -> dict:
-        return {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
-                "qk_nope_head_dim": self.qk_nope_head_dim, "v_head_dim": self.v_head_dim, "heads": self.heads}
-
-
-@dataclass(frozen=True)
-class StateShape:
-    """The fixed-size state of one state layer, per sequence: ``conv`` elements (the model's dtype) and
-    ``recurrent`` elements (float32), of the ``family`` (``gated_delta_net``, ``mamba2``, ``mamba``)."""
-
-    family: str
-    conv: int
-    recurrent: int
-
-    def nbytes(self, fp_bytes: int) -> int:
-        """Bytes per sequence: the conv state at ``fp_bytes`` per element, the recurrent state in float32."""
-        return self.conv * fp_bytes + self.recurrent * RECURRENT_BYTES
-
-    def to_dict(self) -> dict:
-        return {"family": self.family, "conv_elements": self.conv, "recurrent_elements": self.recurrent}
 
 
 @dataclass(frozen=True)
@@ -178,54 +133,14 @@ class Arch:
         """A named shape (:data:`NAMED_SHAPES`, ``kveval memory --shape``): a published model's config values
         (``llama-3.1-8b``, ``deepseek-v3``, ``qwen3-next-80b-a3b``, ...), or one of kveval's worked shapes
         (``llama-7b-mha``, ``llama-7b-gqa4``, ``smollm2-135m``)."""
-        key = str(name).removeprefix("builtin:").lower()
-        if key not in NAMED_SHAPES:
-            import difflib
-
-            close = difflib.get_close_matches(key, list(NAMED_SHAPES), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise KvevalError(f"unknown shape '{name}'{hint} (known shapes: {', '.join(NAMED_SHAPES)})")
-        entry = NAMED_SHAPES[key]
-        return cls.from_model_config(entry["config"], name=key, params=entry.get("params"))
+        key, config, params = named_config(name)
+        return cls.from_model_config(config, name=key, params=params)
 
     @classmethod
     def from_model_config(cls, config: Any, name: str | None = None, params: int | None = None) -> Arch:
-        """From a transformers config (or its ``to_dict()``): ``num_hidden_layers``, ``num_key_value_heads``
-        (else ``num_attention_heads``), ``head_dim`` (else ``hidden_size // num_attention_heads``), the layer
-        kinds (module docstring), MLA's dimensions (``kv_lora_rank`` ...), the state layers' state, RoPE facts.
-        KvevalError (one line) for a config kveval does not model (state layers of an unknown family, sliding and
-        chunked layers together with different windows).
-
-        ``params`` defaults to an estimate for Llama-like decoders (attention + gated MLP + norms + embeddings),
-        None when the config lacks ``intermediate_size`` or ``vocab_size`` or is not Llama-like (MoE, MLA, state
-        layers).
-        """
-        cfg = _ConfigView(config)
-        try:
-            layers = cfg.need("num_hidden_layers")
-            heads = cfg.need("num_attention_heads")
-        except KeyError as exc:
-            raise KvevalError(f"model config has no {exc.args[0]!r}; give --layers --kv-heads --head-dim") from None
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") // heads if cfg.get("hidden_size") else None)
-        if head_dim is None:
-            raise KvevalError("model config has neither 'head_dim' nor 'hidden_size'; give --head-dim")
-        kinds = layer_kinds_of(cfg, layers)
-        mla = _mla_of(cfg, heads)
-        state = _state_of(cfg) if any(k in STATE_KINDS for k in kinds) else None
-        sliding_window = cfg.get("sliding_window") if any(k in ("sliding", "hybrid_sliding") for k in kinds) else None
-        chunk = cfg.get("attention_chunk_size") if "chunked" in kinds else None
-        if params is None and mla is None and state is None and not cfg.get("num_local_experts") \
-                and not cfg.get("n_routed_experts") and not cfg.get("num_experts"):
-            params = _estimate_params(cfg, layers, heads, kv_heads, head_dim)
-        nm = name or cfg.get("_name_or_path") or cfg.get("model_type") or "custom"
-        plain = all(k in ("full", "sliding") for k in kinds)
-        return cls(layers=layers, kv_heads=kv_heads, head_dim=head_dim, name=str(nm), params=params,
-                   sliding_window=sliding_window,
-                   sliding_layers=tuple(i for i, k in enumerate(kinds) if k in ("sliding", "hybrid_sliding")),
-                   chunk_size=chunk, chunked_layers=tuple(i for i, k in enumerate(kinds) if k == "chunked"),
-                   layer_kinds=() if plain else kinds, mla=mla, state=state, model_type=cfg.get("model_type"),
-                   partial_rotary=_partial_rotary(cfg), nope_layers=_nope_layers(cfg, layers))
+        """From a transformers config (or its ``to_dict()``), read by
+        :func:`kveval.memory.config_reader.arch_fields` (what it reads, the estimated ``params``)."""
+        return cls(**arch_fields(config, name, params))
 
     @classmethod
     def from_dict(cls, data: dict) -> Arch:
@@ -299,12 +214,7 @@ class Arch:
         ``(heads, qk_nope_head_dim + qk_rope_head_dim)`` and ``(heads, v_head_dim)`` in the ``decompressed`` one."""
         if self.mla is None:
             return (self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim)
-        m = self.mla
-        if mla_layout == "decompressed":
-            return (m.heads, m.qk_nope_head_dim + m.qk_rope_head_dim), (m.heads, m.v_head_dim)
-        if mla_layout != "latent":
-            raise KvevalError(f"MLA layout must be one of {', '.join(MLA_LAYOUTS)}; got {mla_layout!r}")
-        return (1, m.kv_lora_rank), (1, m.qk_rope_head_dim)
+        return self.mla.kv_shapes(mla_layout)
 
     def state_bytes(self, fp_bytes: int = 2) -> int:
         """The fixed state of one sequence over all state layers (0 without state layers)."""
@@ -385,136 +295,6 @@ class Arch:
         return out
 
 
-# ------------------------------------------------------------------------------------------------- config reading
-class _ConfigView:
-    """A config read the same way whether it is a transformers config (attributes, properties included) or a
-    dict; the text config of a multimodal config."""
-
-    def __init__(self, config: Any):
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
-            config = config["text_config"]
-        self.obj = None if isinstance(config, dict) else config
-        self.data = config if isinstance(config, dict) else (config.to_dict() if hasattr(config, "to_dict")
-                                                             else vars(config))
-
-    def get(self, key: str, default: Any = None) -> Any:
-        if self.obj is not None:
-            try:
-                value = getattr(self.obj, key)
-            except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-                value = None
-            if value is not None:
-                return value
-        value = self.data.get(key)
-        return default if value is None else value
-
-    def need(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise KeyError(key)
-        return value
-
-
-def layer_kinds_of(cfg: _ConfigView | dict | Any, layers: int) -> tuple[str, ...]:
-    """Each layer's kind (module docstring) from the config's ``layer_types`` (else ``layers_block_type``), else
-    ``sliding`` for every layer of a config with ``sliding_window`` (and ``use_sliding_window`` not false:
-    Mistral-style), ``chunked`` with ``attention_chunk_size``, else ``full``. KvevalError for a type kveval does
-    not know."""
-    view = cfg if isinstance(cfg, _ConfigView) else _ConfigView(cfg)
-    sharing = view.get("kv_sharing_modes")
-    if isinstance(sharing, (list, tuple)) and "reuse" in sharing:
-        raise KvevalError("layers that reuse another layer's K/V (the config's kv_sharing_modes) are not modelled "
-                          "by kveval; it cannot say what their cache holds")
-    types = view.get("layer_types") or view.get("layers_block_type")
-    if types:
-        types = list(types)[:layers]
-        unknown = sorted({str(t) for t in types if str(t) not in _TYPE_KINDS})
-        if unknown:
-            raise KvevalError(f"model layers of type {', '.join(repr(t) for t in unknown)} are not modelled by "
-                              f"kveval (known: {', '.join(sorted(_TYPE_KINDS))}); it cannot say what they cache")
-        kinds = [_TYPE_KINDS[str(t)] for t in types]
-        if len(kinds) < layers:
-            raise KvevalError(f"the config's layer types name {len(kinds)} of its {layers} layers")
-        window = view.get("sliding_window")
-        if any(k in ("sliding", "hybrid_sliding") for k in kinds) and not _positive(window):
-            kinds = ["full" if k == "sliding" else "hybrid" if k == "hybrid_sliding" else k for k in kinds]
-        if "chunked" in kinds and not _positive(view.get("attention_chunk_size")):
-            kinds = ["full" if k == "chunked" else k for k in kinds]
-        return tuple(kinds)
-    if _positive(view.get("sliding_window")) and view.get("use_sliding_window", True) is not False:
-        return ("sliding",) * layers
-    if _positive(view.get("attention_chunk_size")):
-        return ("chunked",) * layers
-    return ("full",) * layers
-
-
-def sliding_window_layers(cfg: Any, layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(window, sliding layer indices) of a config: the layers of kind ``sliding`` (:func:`layer_kinds_of`)."""
-    view = cfg if isinstance(cfg, _ConfigView) else _ConfigView(cfg)
-    sliding = tuple(i for i, k in enumerate(layer_kinds_of(view, layers)) if k in ("sliding", "hybrid_sliding"))
-    return (view.get("sliding_window") if sliding else None), sliding
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _mla_of(cfg: _ConfigView, heads: int) -> Mla | None:
-    rank = cfg.get("kv_lora_rank")
-    if not _positive(rank):
-        return None
-    dims = [cfg.get(k) for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")]
-    if not all(_positive(d) for d in dims):
-        raise KvevalError("an MLA config (kv_lora_rank) needs qk_rope_head_dim, qk_nope_head_dim and v_head_dim")
-    return Mla(rank, dims[0], dims[1], dims[2], heads)
-
-
-def _state_of(cfg: _ConfigView) -> StateShape:
-    """The state of one state layer (module docstring), by the config's family; KvevalError for another family."""
-    mt = str(cfg.get("model_type") or "")
-    if cfg.get("linear_num_value_heads") is not None:  # Gated DeltaNet (Qwen3-Next, Qwen3.5-style)
-        nk, nv = cfg.need("linear_num_key_heads"), cfg.need("linear_num_value_heads")
-        dk, dv, k = cfg.need("linear_key_head_dim"), cfg.need("linear_value_head_dim"), cfg.need(
-            "linear_conv_kernel_dim")
-        return StateShape("gated_delta_net", (2 * nk * dk + nv * dv) * k, nv * dk * dv)
-    hidden = cfg.get("hidden_size")
-    if mt == "jamba":
-        d_inner = cfg.get("mamba_expand", 2) * hidden
-        return StateShape("mamba", d_inner * cfg.get("mamba_d_conv", 4), d_inner * cfg.get("mamba_d_state", 16))
-    mamba2 = {  # model type -> (heads, head dim, groups, state, conv, d_inner) keys
-        "falcon_h1": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"),
-        "granitemoehybrid": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"),
-        "bamba": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"),
-        "nemotron_h": ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel"),
-    }
-    if mt not in mamba2:
-        raise KvevalError(f"model type '{mt or '?'}' has layers that hold a recurrent or convolution state of a "
-                          "family kveval does not bill (supported: Qwen3-Next's Gated DeltaNet, the Mamba layers of "
-                          "Falcon-H1, Granite-4 hybrid, Bamba, Nemotron-H and Jamba)")
-    heads_k, head_k, groups_k, state_k, conv_k = mamba2[mt]
-    n_heads, head, groups = cfg.need(heads_k), cfg.need(head_k), cfg.need(groups_k)
-    d_state, d_conv = cfg.need(state_k), cfg.need(conv_k)
-    d_inner = n_heads * head
-    return StateShape("mamba2", (d_inner + 2 * groups * d_state) * d_conv, n_heads * head * d_state)
-
-
-def _partial_rotary(cfg: _ConfigView) -> float:
-    rope = cfg.get("rope_parameters")
-    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
-    factor = factor if factor is not None else cfg.get("partial_rotary_factor", 1.0)
-    return float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) else 1.0
-
-
-def _nope_layers(cfg: _ConfigView, layers: int) -> tuple[int, ...]:
-    """Layers without RoPE: Llama-4's ``no_rope_layers`` (1 = RoPE, 0 = NoPE)."""
-    flags = cfg.get("no_rope_layers")
-    if not isinstance(flags, (list, tuple)):
-        return ()
-    return tuple(i for i, f in enumerate(list(flags)[:layers]) if not f)
-
-
 def _ranges(layers: tuple[int, ...]) -> str:
     """``0-2, 5, 7-9``."""
     runs: list[list[int]] = []
@@ -526,16 +306,5 @@ def _ranges(layers: tuple[int, ...]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _estimate_params(cfg: _ConfigView, layers: int, heads: int, kv_heads: int, head_dim: int) -> int | None:
-    hidden, inter, vocab = cfg.get("hidden_size"), cfg.get("intermediate_size"), cfg.get("vocab_size")
-    if not (hidden and inter and vocab):
-        return None
-    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    mlp = 3 * hidden * inter
-    per_layer = attn + mlp + 2 * hidden
-    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings", True) else 2)
-    return layers * per_layer + embed + hidden
-
-
-__all__ = ["Arch", "KV_KINDS", "LAYER_KINDS", "MLA_LAYOUTS", "Mla", "NAMED_SHAPES", "STATE_KINDS", "StateShape",
-           "layer_kinds_of", "positive_int", "sliding_window_layers"]
+__all__ = ["Arch", "KV_KINDS", "LAYER_KINDS", "MLA_LAYOUTS", "RECURRENT_BYTES", "LayerKind", "Mla", "NAMED_SHAPES",
+           "STATE_KINDS", "StateShape", "layer_kinds_of", "positive_int", "sliding_window_layers"]

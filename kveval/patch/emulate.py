@@ -123,9 +123,118 @@ def quantized_version(x: torch.Tensor, quantizer: TensorQuantizer, schedule: Sch
     return torch.cat([fp[:, :, :start], region, fp[:, :, end:]], dim=-2)
 
 
+class QueryVersions:
+    """Which version of each token, full precision or quantized, each query of one layer reads under the policy's
+    schedule (the module docstring, "Memory"): per query the thresholds (``read_thresholds``), for a chunk of
+    queries the full-precision masks (``full_precision_rows``) and what it attends to (``_chunk_plan``: the mask and
+    the tokens each version part keeps, shared by the layers of one forward pass through ``mask_cache``). The base
+    of ``LayerEmulation``, which holds the attributes below."""
+
+    policy: KVPolicy
+    implementation: str
+    prefill_len: int
+    mask_cache: dict
+
+    def read_thresholds(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(end_k, end_v, fp_query)``, each ``[T]``: per query, where the quantized keys (values) it reads end
+        (``read_ends``; ``end_v`` None when the values share the keys' schedule) and whether it reads everything in
+        full precision (a prompt query with ``prefill: fp``). Cached per length for the layers of one call."""
+        key = (T, str(device))
+        if key not in self.mask_cache:
+            self.mask_cache.clear()
+            pol, P = self.policy, self.prefill_len
+            ends = {kind: torch.tensor(read_ends(pol.schedule(kind), T, P), device=device)
+                    for kind in ("key", "value")}
+            end_v = ends["value"] if pol.split_modes and pol.schedule("value") != pol.schedule("key") else None
+            fp_query = torch.arange(T, device=device) < (P if pol.prefill == "fp" else 0)
+            self.mask_cache[key] = (ends["key"], end_v, fp_query)
+        return self.mask_cache[key]
+
+    def full_precision_rows(self, T: int, start: int, stop: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(Mk, Mv)``, each ``[stop - start, stop]``, for a sequence of ``T`` tokens: True where query ``t`` in
+        ``[start, stop)`` reads token ``j < stop``'s key (value) in full precision (rows ``start..stop-1`` of
+        ``KVPolicy.full_precision_mask``, columns ``0..stop-1``; entries ``j > t`` are not causal-masked here);
+        ``Mv`` None when the values share the keys' schedule."""
+        end_k, end_v, fp_query = self.read_thresholds(T, device)
+        j = torch.arange(stop, device=device)[None, :]
+        sinks = j < self.policy.sink_tokens
+        everything = fp_query[start:stop, None]
+        mk = sinks | (j >= end_k[start:stop, None]) | everything
+        if end_v is None:
+            return mk, None
+        mv = sinks | (j >= end_v[start:stop, None]) | everything
+        return mk, mv
+
+    def _chunk_plan(self, attention_mask, T: int, start: int, stop: int, dtype: torch.dtype, device):
+        """What ``_chunk`` attends to for queries ``[start, stop)``: (the mask ``[batch or 1, 1, stop - start, kept
+        keys]`` in the implementation's form, per version part the tokens kept (a slice, an index tensor, or None
+        for a part no query reads), the kept keys' positions). The same for every layer that receives the same
+        ``attention_mask`` (the policy's schedule is the model's), so it is built once per forward pass and mask
+        and shared through ``mask_cache``; the cache holds the mask it was built for, so a new mask (the next
+        window, a sliding-window layer's mask) never meets a stale plan. Plans are kept while their masks total at
+        most ``PLAN_CACHE_BYTES`` (the masks of a whole pass grow as T^2 / 2); beyond that each layer builds its
+        own, as before."""
+        self.read_thresholds(T, device)  # a new length clears mask_cache first, plans included
+        # per attention mask (a model with sliding-window layers passes two in every pass): (the mask itself, its
+        # plans by chunk); keyed by id(): the entry keeps the mask alive, so its id cannot pass to another object
+        plans_of = self.mask_cache.setdefault("chunk plans", {})
+        entry = plans_of.get(id(attention_mask))
+        if entry is None:
+            if len(plans_of) >= MASKS_PLANNED:  # an earlier pass's masks
+                plans_of.clear()
+                self.mask_cache["chunk plan bytes"] = 0
+            entry = plans_of[id(attention_mask)] = (attention_mask, {})
+        plan_key = (T, start, stop, dtype, str(device), self.implementation)
+        plan = entry[1].get(plan_key)
+        if plan is None:
+            plan = self._build_chunk_plan(attention_mask, T, start, stop, dtype, device)
+            held = self.mask_cache.get("chunk plan bytes", 0) + plan[0].numel() * plan[0].element_size()
+            if held <= PLAN_CACHE_BYTES:
+                entry[1][plan_key] = plan
+                self.mask_cache["chunk plan bytes"] = held
+        return plan
+
+    def _build_chunk_plan(self, attention_mask, T: int, start: int, stop: int, dtype: torch.dtype, device):
+        if attention_mask is None:  # causal: query t sees j <= t
+            allowed = (torch.arange(stop, device=device)[None, :]
+                       <= torch.arange(start, stop, device=device)[:, None])[None, None]
+        else:
+            allowed = attn.allowed_mask(attention_mask[..., start:stop, :], stop - start, stop, device)
+        mk, mv = self.full_precision_rows(T, start, stop, device)
+        if mv is None:
+            reads = [mk, ~mk]
+        else:  # keys and values read on different schedules: one part per (key version, value version)
+            reads = [mk & mv, ~mk & mv, mk & ~mv, ~mk & ~mv]
+        selections: list[slice | torch.Tensor | None] = []
+        masks, positions = [], []
+        for m in reads:
+            m = allowed & m  # [.., stop - start, stop]
+            used = m.reshape(-1, stop).any(dim=0)  # tokens some query of the chunk reads in this version
+            if bool(used.all()):
+                selections.append(slice(0, stop))
+                masks.append(m)
+                positions.append(torch.arange(stop, device=device))
+                continue
+            cols = used.nonzero().squeeze(1)
+            if cols.numel() == 0:
+                selections.append(None)
+                continue
+            first, n = int(cols[0]), len(cols)
+            if int(cols[-1]) - first + 1 == n:  # one run of tokens (the quantized part, a window)
+                selections.append(slice(first, first + n))
+                masks.append(m[..., first:first + n])
+            else:
+                selections.append(cols)
+                masks.append(m.index_select(-1, cols))
+            positions.append(cols)
+        mask = attn.inner_mask(torch.cat(masks, dim=-1), self.implementation, dtype)
+        return mask, selections, torch.cat(positions)
+
+
 @dataclass
-class LayerEmulation:
-    """The emulation state attached to one attention module."""
+class LayerEmulation(QueryVersions):
+    """The emulation state attached to one attention module: its quantizers and the attention call that reads one
+    version of each token (``QueryVersions`` says which), and the error statistics per batch row."""
 
     layer_idx: int
     key_q: TensorQuantizer
@@ -178,36 +287,6 @@ class LayerEmulation:
     def transforms_act(self) -> bool:
         """Whether a transform acts on this layer's attention although nothing is quantized (a domain or a hook)."""
         return any(q.reads_transformed or q.hooks_attention for q in (self.key_q, self.value_q))
-
-    def read_thresholds(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``(end_k, end_v, fp_query)``, each ``[T]``: per query, where the quantized keys (values) it reads end
-        (``read_ends``; ``end_v`` None when the values share the keys' schedule) and whether it reads everything in
-        full precision (a prompt query with ``prefill: fp``). Cached per length for the layers of one call."""
-        key = (T, str(device))
-        if key not in self.mask_cache:
-            self.mask_cache.clear()
-            pol, P = self.policy, self.prefill_len
-            ends = {kind: torch.tensor(read_ends(pol.schedule(kind), T, P), device=device)
-                    for kind in ("key", "value")}
-            end_v = ends["value"] if pol.split_modes and pol.schedule("value") != pol.schedule("key") else None
-            fp_query = torch.arange(T, device=device) < (P if pol.prefill == "fp" else 0)
-            self.mask_cache[key] = (ends["key"], end_v, fp_query)
-        return self.mask_cache[key]
-
-    def full_precision_rows(self, T: int, start: int, stop: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(Mk, Mv)``, each ``[stop - start, stop]``, for a sequence of ``T`` tokens: True where query ``t`` in
-        ``[start, stop)`` reads token ``j < stop``'s key (value) in full precision (rows ``start..stop-1`` of
-        ``KVPolicy.full_precision_mask``, columns ``0..stop-1``; entries ``j > t`` are not causal-masked here);
-        ``Mv`` None when the values share the keys' schedule."""
-        end_k, end_v, fp_query = self.read_thresholds(T, device)
-        j = torch.arange(stop, device=device)[None, :]
-        sinks = j < self.policy.sink_tokens
-        everything = fp_query[start:stop, None]
-        mk = sinks | (j >= end_k[start:stop, None]) | everything
-        if end_v is None:
-            return mk, None
-        mv = sinks | (j >= end_v[start:stop, None]) | everything
-        return mk, mv
 
     def expand(self, expand_kv, c_kv: torch.Tensor, k_pe: torch.Tensor):
         """An MLA layer's ``expand_kv`` in the latent layout: ``c_kv`` ``[batch, 1, T, kv_lora_rank]`` (the key
@@ -321,70 +400,6 @@ class LayerEmulation:
         return compute(module, query[:, :, start:stop], torch.cat(keys, dim=-2), torch.cat(values, dim=-2), mask,
                        *args, key_positions=positions, **kwargs)
 
-    def _chunk_plan(self, attention_mask, T: int, start: int, stop: int, dtype: torch.dtype, device):
-        """What ``_chunk`` attends to for queries ``[start, stop)``: (the mask ``[batch or 1, 1, stop - start, kept
-        keys]`` in the implementation's form, per version part the tokens kept (a slice, an index tensor, or None
-        for a part no query reads), the kept keys' positions). The same for every layer that receives the same
-        ``attention_mask`` (the policy's schedule is the model's), so it is built once per forward pass and mask
-        and shared through ``mask_cache``; the cache holds the mask it was built for, so a new mask (the next
-        window, a sliding-window layer's mask) never meets a stale plan. Plans are kept while their masks total at
-        most ``PLAN_CACHE_BYTES`` (the masks of a whole pass grow as T^2 / 2); beyond that each layer builds its
-        own, as before."""
-        self.read_thresholds(T, device)  # a new length clears mask_cache first, plans included
-        # per attention mask (a model with sliding-window layers passes two in every pass): (the mask itself, its
-        # plans by chunk); keyed by id(): the entry keeps the mask alive, so its id cannot pass to another object
-        plans_of = self.mask_cache.setdefault("chunk plans", {})
-        entry = plans_of.get(id(attention_mask))
-        if entry is None:
-            if len(plans_of) >= MASKS_PLANNED:  # an earlier pass's masks
-                plans_of.clear()
-                self.mask_cache["chunk plan bytes"] = 0
-            entry = plans_of[id(attention_mask)] = (attention_mask, {})
-        plan_key = (T, start, stop, dtype, str(device), self.implementation)
-        plan = entry[1].get(plan_key)
-        if plan is None:
-            plan = self._build_chunk_plan(attention_mask, T, start, stop, dtype, device)
-            held = self.mask_cache.get("chunk plan bytes", 0) + plan[0].numel() * plan[0].element_size()
-            if held <= PLAN_CACHE_BYTES:
-                entry[1][plan_key] = plan
-                self.mask_cache["chunk plan bytes"] = held
-        return plan
-
-    def _build_chunk_plan(self, attention_mask, T: int, start: int, stop: int, dtype: torch.dtype, device):
-        if attention_mask is None:  # causal: query t sees j <= t
-            allowed = (torch.arange(stop, device=device)[None, :]
-                       <= torch.arange(start, stop, device=device)[:, None])[None, None]
-        else:
-            allowed = attn.allowed_mask(attention_mask[..., start:stop, :], stop - start, stop, device)
-        mk, mv = self.full_precision_rows(T, start, stop, device)
-        if mv is None:
-            reads = [mk, ~mk]
-        else:  # keys and values read on different schedules: one part per (key version, value version)
-            reads = [mk & mv, ~mk & mv, mk & ~mv, ~mk & ~mv]
-        selections: list[slice | torch.Tensor | None] = []
-        masks, positions = [], []
-        for m in reads:
-            m = allowed & m  # [.., stop - start, stop]
-            used = m.reshape(-1, stop).any(dim=0)  # tokens some query of the chunk reads in this version
-            if bool(used.all()):
-                selections.append(slice(0, stop))
-                masks.append(m)
-                positions.append(torch.arange(stop, device=device))
-                continue
-            cols = used.nonzero().squeeze(1)
-            if cols.numel() == 0:
-                selections.append(None)
-                continue
-            first, n = int(cols[0]), len(cols)
-            if int(cols[-1]) - first + 1 == n:  # one run of tokens (the quantized part, a window)
-                selections.append(slice(first, first + n))
-                masks.append(m[..., first:first + n])
-            else:
-                selections.append(cols)
-                masks.append(m.index_select(-1, cols))
-            positions.append(cols)
-        mask = attn.inner_mask(torch.cat(masks, dim=-1), self.implementation, dtype)
-        return mask, selections, torch.cat(positions)
 
 
 def merged_stats(rows: list[TensorErrorStats]) -> TensorErrorStats:

@@ -2,9 +2,12 @@
 
 - ``policy``: ``KVPolicy`` and ``LayerOverride``, the data (validated, frozen) and its queries;
 - ``parse``: the config form of a policy -> fields, one-line errors with their path;
+- ``checks``: the checks of a policy's fields (transforms, modes, specs against their schedule, widths against a
+  model), one-line errors;
 - ``selectors``: the layer selector grammar (``"0-3"``, ``"last 2"``, ...);
 - ``masks``: the quantization schedule (which token is read in full precision by which query);
-- ``presets``: the one table of named policies (name -> config + description).
+- ``presets``: the one table of named policies (name -> config + description);
+- ``plan_file``: a ``kveval plan`` file read back (a config's ``plan:``, the predictions its run reports).
 
 Pure data and maths: nothing here imports transformers.
 """

@@ -45,16 +45,16 @@ from typing import Any
 import torch
 
 from kveval.errors import KvevalError, did_you_mean
-from kveval.policy import masks
-from kveval.policy.masks import RESIDUAL_MODES, Schedule
+from kveval.policy.checks import KINDS, check_spec, check_values, check_widths, resolve_modes, resolve_transforms
+from kveval.policy.checks import PREFILL_MODES as PREFILL_MODES  # re-exported (kveval.policy)
+from kveval.policy.masks import RESIDUAL_MODES as RESIDUAL_MODES  # re-exported (kveval.policy)
+from kveval.policy.masks import Schedule
 from kveval.policy.parse import policy_fields
 from kveval.policy.presets import POLICY_PRESETS, policy_names
 from kveval.policy.selectors import layers_of
 from kveval.quant import QuantSpec, preset, preset_names
 from kveval.transforms import KVTransform, PreRope, check_sequence, parse_transforms
 
-KINDS = ("key", "value")
-PREFILL_MODES = ("fp", "quantized")
 AUTO_SCALES = "auto"
 
 
@@ -118,39 +118,17 @@ class KVPolicy:
     designs: tuple[str, ...] = ()
 
     def __post_init__(self):
-        self._check_transforms()
+        """Fields given in config form resolved, then every field checked (``kveval.policy.checks``)."""
+        pre_rope, transforms = resolve_transforms(self.transforms, self.pre_rope, self.name)
+        object.__setattr__(self, "pre_rope", pre_rope)
+        object.__setattr__(self, "transforms", transforms)
+        check_sequence(self.transform_sequence(), f"policy '{self.name}'")
         if self.residual < 0 or self.sink_tokens < 0:
             raise KvevalError(f"policy '{self.name}': residual and sink_tokens must be >= 0")
-        self._check_modes()
-        if self.prefill not in PREFILL_MODES:
-            raise KvevalError(f"policy '{self.name}': prefill must be one of {PREFILL_MODES}, got '{self.prefill}'")
-        for kind in KINDS:
-            mode = self.mode(kind)
-            if mode in masks.BLOCK_MODES and self.residual == 0:
-                raise KvevalError(f"policy '{self.name}': residual_mode '{mode}' needs residual > 0 (the block size)")
-        if self.scales is not None and (not isinstance(self.scales, str) or not self.scales.strip()):
-            raise KvevalError(f"policy '{self.name}': scales must be a path to a scales file or 'auto'; got {self.scales!r}")
+        object.__setattr__(self, "residual_mode", resolve_modes(self.residual_mode, self.name))
+        check_values(self.name, self.prefill, self.scales, [self.schedule(kind) for kind in KINDS])
         for kind, spec in self.kind_specs():
-            if not spec.is_none and spec.gran.token_blocks and not self.uses_static(spec):
-                if self.mode(kind) != "block":
-                    raise KvevalError(
-                        f"policy '{self.name}': per-channel quantization takes its statistics over a block of tokens; "
-                        f"set residual_mode: block (for the {kind}s) and residual: N (e.g. 128, as KIVI does), or "
-                        "calibrate static scales (scales: auto)"
-                    )
-                tokens = spec.gran.token_group
-                if tokens is not None and self.residual % tokens:
-                    raise KvevalError(
-                        f"policy '{self.name}': per-channel groups of {tokens} tokens must tile the {self.residual}-token "
-                        "blocks (KIVI asserts residual_length % group_size == 0)"
-                    )
-            if not spec.is_none and spec.gran.static_only and spec.static_scale is None \
-                    and not self.uses_static(spec):
-                raise KvevalError(
-                    f"policy '{self.name}': '{spec.granularity}' granularity needs static scales (scales: auto, "
-                    "scales: FILE from kveval calibrate, or static_scale: 1.0); dynamic per-tensor statistics would "
-                    "look at tokens that are not decoded yet"
-                )
+            check_spec(self.name, kind, spec, self.schedule(kind), static=self.uses_static(spec))
 
     # --- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -220,39 +198,6 @@ class KVPolicy:
         ``transforms``."""
         return ((PreRope(),) if self.pre_rope else ()) + self.transforms
 
-    def _check_transforms(self) -> None:
-        """Transforms given in config form (names, mappings) become a tuple of ``KVTransform``; a leading
-        ``pre_rope`` becomes ``pre_rope: true`` (one policy, one resolved config); the order of the sequence is
-        checked (``kveval.transforms.check_sequence``)."""
-        given: Any = self.transforms
-        if not isinstance(given, tuple) or not all(isinstance(t, KVTransform) for t in given):
-            object.__setattr__(self, "transforms", parse_transforms(given, f"policy '{self.name}'.transforms"))
-        if self.transforms and self.transforms[0] == PreRope() and not self.pre_rope:
-            object.__setattr__(self, "pre_rope", True)
-            object.__setattr__(self, "transforms", self.transforms[1:])
-        check_sequence(self.transform_sequence(), f"policy '{self.name}'")
-
-    def _check_modes(self) -> None:
-        """``residual_mode``: a mode name, or (key, value) modes given as a ``{key, value}`` mapping or a pair; a
-        pair of equal modes becomes one name (one policy, one resolved config)."""
-        given: Any = self.residual_mode
-        if isinstance(given, dict):
-            unknown = [k for k in given if k not in KINDS]
-            if unknown or len(given) != 2:
-                raise KvevalError(f"policy '{self.name}': residual_mode as a mapping needs exactly the keys 'key' and "
-                                  f"'value'; got {sorted(map(str, given))}")
-            given = (given["key"], given["value"])
-        if isinstance(given, list):
-            given = tuple(given)
-        modes = given if isinstance(given, tuple) else (given,)
-        if len(modes) not in (1, 2) or not all(isinstance(m, str) for m in modes):
-            raise KvevalError(f"policy '{self.name}': residual_mode must be a mode name or {{key: MODE, value: MODE}}; "
-                              f"got {self.residual_mode!r}")
-        for m in modes:
-            if m not in RESIDUAL_MODES:
-                raise KvevalError(f"policy '{self.name}': residual_mode must be one of {RESIDUAL_MODES}, got '{m}'")
-        object.__setattr__(self, "residual_mode", modes[0] if len(set(modes)) == 1 else modes)
-
     def mode(self, kind: str) -> str:
         """The residual mode of ``kind`` (``"key"`` or ``"value"``)."""
         if isinstance(self.residual_mode, tuple):
@@ -276,10 +221,7 @@ class KVPolicy:
         return out
 
     def all_specs(self) -> list[QuantSpec]:
-        specs = [self.key, self.value]
-        for o in self.layers:
-            specs.extend(s for s in (o.key, o.value) if s is not None)
-        return specs
+        return [s for _, s in self.kind_specs()]
 
     def specs_for_layer(self, layer: int, num_layers: int,
                         sliding_layers: tuple[int, ...] | list[int] | None = None) -> tuple[QuantSpec, QuantSpec]:
@@ -321,17 +263,7 @@ class KVPolicy:
         for o in self.layers:
             layers_of(o.selector, num_layers)
         dims = {"key": head_dim, "value": head_dim if value_dim is None else value_dim}
-        for kind, spec in self.kind_specs():
-            try:
-                spec.check_head_dim(dims[kind])
-            except ValueError as exc:
-                raise KvevalError(f"policy '{self.name}': {exc}{note}") from None
-        for t in self.transform_sequence():
-            for dim in sorted(set(dims.values())):
-                try:
-                    t.check_head_dim(dim)
-                except ValueError as exc:
-                    raise KvevalError(f"policy '{self.name}': transform '{t.name}': {exc}{note}") from None
+        check_widths(self.name, self.kind_specs(), self.transform_sequence(), dims, note)
 
     def describe(self) -> str:
         """A one-line human description, e.g. ``K int4 asym g64 (fp16 scales) / V int8 ..., residual 128 (block)``."""

@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from kveval.report.sections import summary_columns
 from kveval.results import BASELINE
 
 
@@ -39,7 +40,7 @@ _BLANK = 6
 def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> RenderableType:
     """The closing console table: one row per policy against the threshold; perplexity columns when the run
     measured perplexity (with llama-perplexity's 99% KLD and same top p, and the minimum detectable ΔPPL beside
-    the verdict), needle columns when it ran the needle task; then, when the policies have them, the table of
+    the verdict), the tasks' own columns when measured (their plug-ins' ``SummaryColumn.console``); then, when the policies have them, the table of
     llama-perplexity's statistics (:func:`llama_table`). ``label``: the task entry the metrics are of, in the
     title (a later entry of a kind already in the config, ``tasks[1] (perplexity)``)."""
     thr = cfg.threshold
@@ -50,9 +51,11 @@ def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> Renderab
         title += "; MDE: the smallest ΔPPL % this run detects (alpha 0.05, power 0.8)"
     base = metrics.get(BASELINE, {})
     rows = [(BASELINE, base), *metrics.get("policies", {}).items()]
-    has = {key: any(m.get(key) is not None for _, m in rows) for key in ("ppl", "needle_accuracy")}
+    has_ppl = any(m.get("ppl") is not None for _, m in rows)
+    task_cols = [c for c in summary_columns()  # the tasks' own columns (their reporting plug-ins), when measured
+                 if c.console is not None and any(m.get(c.key) is not None for _, m in rows)]
     cols = [("bits/elem", lambda m: _fmt(m.get("bits_per_element"), ".2f"))]
-    if has["ppl"] or not has["needle_accuracy"]:
+    if has_ppl or not task_cols:
         cols += [
             ("PPL", lambda m: _fmt(m.get("ppl"), ".4f")),
             ("ΔPPL %", lambda m: _fmt(m.get("delta_ppl_pct"), "+.3f")),
@@ -62,11 +65,9 @@ def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> Renderab
             ("same top p %", lambda m: _same_top(m)),
             ("MDE %", lambda m: _fmt(m.get("delta_ppl_pct_mde"), ".2f")),
         ]
-    if has["needle_accuracy"]:
-        cols += [
-            ("needle EM", lambda m: _fmt(m.get("needle_accuracy"), ".3f")),
-            ("answer logp/tok", lambda m: _fmt(m.get("needle_answer_logprob"), ".3f")),
-        ]
+    for c in task_cols:
+        header, spec = c.console or ("", "")
+        cols.append((header, lambda m, key=c.key, spec=spec: _fmt(m.get(key), spec)))
     table = Table(title=title, title_justify="left")
     table.add_column("policy", justify="left", no_wrap=True)
     for name, _ in cols:
@@ -76,7 +77,7 @@ def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> Renderab
         verdict = "" if name == BASELINE else m.get("verdict", "-")
         style = {"pass": "green", "fail": "red"}.get(verdict, "yellow")
         cells = [fn(m) for _, fn in cols]
-        if name == BASELINE and has["ppl"]:
+        if name == BASELINE and has_ppl:
             cells[2:2 + _BLANK] = [""] * _BLANK
         if verdict == "inconclusive" and m.get("more_tokens_to_decide") is not None:
             verdict += f" +{m['more_tokens_to_decide']:,} tok"

@@ -11,192 +11,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.colors import LogNorm, TwoSlopeNorm
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.ticker import MaxNLocator
 
-from kveval.fileio import atomic_write_bytes
+from kveval.report.style import (
+    BASELINE_COLOR,
+    KIB,
+    OKABE_ITO,
+    bytes_label,
+    color,
+    log_scale_ok,
+    marker,
+    pareto_front,
+    place_labels,
+    policy_styles,
+    save,
+    scale_note,
+    symlog_axis,
+    use_symlog,
+)
 from kveval.results import BASELINE, RunResults
-
-# Okabe & Ito (2008), "Color Universal Design": black first for the baseline
-OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#000000"]
-BASELINE_COLOR = "#555555"
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
-DPI = 100
-
-
-def color(i: int) -> str:
-    return OKABE_ITO[i % len(OKABE_ITO)]
-
-
-def marker(i: int) -> str:
-    return MARKERS[i % len(MARKERS)]
-
-
-def _style(policies: Sequence[str]) -> dict[str, tuple[str, str]]:
-    """A fixed (colour, marker) per policy name, in the run's order; the baseline is grey circles."""
-    out, i = {}, 0
-    for p in policies:
-        if p == BASELINE:
-            out[p] = (BASELINE_COLOR, "o")
-        elif p not in out:
-            out[p] = (color(i), marker(i))
-            i += 1
-    return out
-
-
-def save(fig: Figure, path: str | Path, dpi: int = DPI, palette: bool = True) -> Path:
-    """Write ``fig`` as a PNG (no software metadata, so that reruns give identical files), atomically: the image
-    is rendered in memory and replaces ``path`` in one rename (:func:`kveval.fileio.atomic_write_bytes`), so an
-    interrupted report (Ctrl-C, a full disk) leaves the previous figure or none, never a truncated one, and a
-    symbolic link at ``path`` is replaced, never written through. Every PNG kveval writes goes through here.
-
-    ``palette``: store it with a 256-colour palette (Pillow, median cut): a plot has few colours, so this looks
-    the same and is about three times smaller, which keeps HTML reports and committed reference runs small.
-    """
-    import io
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=dpi, format="png", metadata={"Software": None})
-    data = buf.getvalue()
-    if palette:
-        try:
-            from PIL import Image
-
-            img = Image.open(io.BytesIO(data)).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
-            out = io.BytesIO()
-            img.save(out, format="PNG", optimize=True)
-            data = out.getvalue() if out.tell() < len(data) else data
-        except (ImportError, AttributeError, OSError, ValueError):  # no Pillow, or one too old: the plain PNG
-            pass
-    atomic_write_bytes(path, data)
-    return path
-
-
-def _bytes_fmt(x: float, _pos=None) -> str:
-    if x >= 2**20:
-        return f"{x / 2**20:.1f} MiB"
-    if x >= 2**10:
-        return f"{x / 2**10:.1f} KiB"
-    return f"{x:.0f} B"
-
-
-KIB = 1024.0
-
-
-def pareto_front(x: Sequence[float], y: Sequence[float]) -> list[int]:
-    """Indices of the points not dominated by another (smaller or equal x and y, one strictly), by rising x."""
-    pts = sorted((float(a), float(b), i) for i, (a, b) in enumerate(zip(x, y)) if np.isfinite(a) and np.isfinite(b))
-    front, best = [], math.inf
-    for _a, b, i in pts:
-        if b < best:
-            front.append(i)
-            best = b
-    return front
-
-
-def _use_symlog(values: Sequence[float], scale: float) -> bool:
-    """Symmetric log when the largest |value| exceeds 10x the threshold: small damage stays readable."""
-    vals = [abs(v) for v in values if np.isfinite(v)]
-    return bool(vals) and max(vals) > 10 * max(scale, 1e-12)
-
-
-def _symlog(ax, values: Sequence[float], linthresh: float) -> None:
-    """Linear up to the threshold, logarithmic beyond, with ticks at 1-2-5 multiples of the threshold."""
-    ax.set_yscale("symlog", linthresh=linthresh)
-    vals = [v for v in values if np.isfinite(v)]
-    hi, lo = max(vals + [0.0]), min(vals + [0.0])
-    ticks = {0.0, linthresh / 2, linthresh}
-    k = linthresh
-    while k < hi * 1.01:
-        ticks.update({2 * k, 5 * k, 10 * k})
-        k *= 10
-    ticks = {t for t in ticks if t <= max(hi * 1.3, linthresh)}
-    if lo < 0:
-        ticks.update(-t for t in list(ticks) if t <= max(-lo * 1.3, linthresh))
-    ax.set_yticks(sorted(ticks))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-    ax.yaxis.set_minor_locator(plt_null_locator())
-
-
-def _scale_note(ax) -> str:
-    if ax.get_yscale() == "symlog":
-        return f"\nlinear up to {ax.yaxis.get_transform().linthresh:g}, log above"
-    return ""
-
-
-def plt_null_locator():
-    from matplotlib.ticker import NullLocator
-
-    return NullLocator()
-
-
-_CANDIDATES = [(7, 4, "left", "bottom"), (7, -4, "left", "top"), (-7, 4, "right", "bottom"),
-               (-7, -4, "right", "top"), (0, 9, "center", "bottom"), (0, -9, "center", "top"),
-               (10, 14, "left", "bottom"), (10, -14, "left", "top"), (-10, 14, "right", "bottom"),
-               (-10, -14, "right", "top"), (0, 20, "center", "bottom"), (0, -20, "center", "top")]
-
-
-def _place_labels(fig: Figure, jobs: list, multi: bool) -> None:
-    """Name each point without overprinting: points at the same spot share one label; each label takes the
-    first position around its point (right, left, above, below, then further out) that overlaps no other
-    label, marker or legend and stays inside the axes."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.transforms import Bbox
-
-    if not hasattr(fig.canvas, "get_renderer"):
-        FigureCanvasAgg(fig)
-    fig.canvas.draw()  # final layout and scales, so that display coordinates are right
-    renderer = fig.canvas.get_renderer()
-    for ax, points in jobs:
-        merged: dict[tuple[float, float], list[tuple[str, str]]] = {}
-        for x, y, pol, run in points:
-            merged.setdefault((float(x), float(y)), []).append((pol, run))
-        items = []
-        for (x, y), names in merged.items():
-            if multi:
-                pols = list(dict.fromkeys(p for p, _ in names))
-                text = "; ".join(f"{p} ({', '.join(r for q, r in names if q == p)})" for p in pols)
-            else:
-                text = ", ".join(p for p, _ in names)
-            items.append((x, y, text, ax.transData.transform((x, y))))
-        pad = 6 * fig.dpi / 72
-        markers = [Bbox.from_bounds(d[0] - pad, d[1] - pad, 2 * pad, 2 * pad) for *_, d in items]
-        taken = []
-        legend = ax.get_legend()
-        if legend is not None:
-            taken.append(legend.get_window_extent(renderer))
-        for i, (x, y, text, _d) in enumerate(items):
-            others = taken + [m for j, m in enumerate(markers) if j != i]
-            chosen = None
-            for dx, dy, ha, va in _CANDIDATES:
-                ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=8,
-                                  ha=ha, va=va)
-                ann.set_in_layout(False)
-                bb = ann.get_window_extent(renderer)
-                inside = (bb.x0 >= ax.bbox.x0 and bb.x1 <= ax.bbox.x1 and bb.y0 >= ax.bbox.y0
-                          and bb.y1 <= ax.bbox.y1)
-                if inside and not any(bb.overlaps(o) for o in others):
-                    chosen = (ann, bb)
-                    break
-                ann.remove()
-            if chosen is None:  # crowded: the first position, accepted as is
-                ann = ax.annotate(text, (x, y), xytext=(7, 4), textcoords="offset points", fontsize=8)
-                ann.set_in_layout(False)
-                chosen = (ann, ann.get_window_extent(renderer))
-            taken.append(chosen[1])
-
-
-def _log_ok(values: Sequence[float]) -> bool:
-    vals = [v for v in values if np.isfinite(v)]
-    return bool(vals) and min(vals) > 0 and max(vals) / min(vals) > 20
-
 
 # ------------------------------------------------------------------------------------------- quality vs memory
 
@@ -217,7 +54,7 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
     multi = len(runs) > 1
     fig = Figure(figsize=(11, 4.6), layout="constrained")
     ax_p, ax_k = fig.subplots(1, 2)
-    style = _style(list(df["policy"]))
+    style = policy_styles(list(df["policy"]))
     run_names = list(dict.fromkeys(df["run"]))
     jobs = []
     for ax, col, label in ((ax_p, "delta_ppl_pct", "ΔPPL vs FP16 baseline (%)"),
@@ -258,16 +95,16 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
             ax.axhspan(lo, hi, color="#999999", alpha=0.25, lw=0, zorder=0, label=f"noise floor (±{hi:.3g})")
         vals = list(sub[col])
         if col == "kld_mean":
-            if _log_ok(vals):
+            if log_scale_ok(vals):
                 ax.set_yscale("log")
             base = df[df["policy"] == BASELINE]["bytes_per_token"].dropna()
             if len(base) and not multi:  # KLD 0 has no place on a log axis: say where the baseline is
                 ax.text(0.98, 0.03, f"FP16 baseline: KLD 0 at {float(base.iloc[0]) / KIB:.1f} KiB/token",
                         transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="#444444")
-        elif _use_symlog(vals, max(thrs) if thrs else 1.0):
-            _symlog(ax, vals, max(thrs) if thrs else 1.0)
+        elif use_symlog(vals, max(thrs) if thrs else 1.0):
+            symlog_axis(ax, vals, max(thrs) if thrs else 1.0)
         ax.set_xlabel("KV cache per token (KiB; all layers, K+V, scales included)")
-        ax.set_ylabel(label + _scale_note(ax))
+        ax.set_ylabel(label + scale_note(ax))
         ax.grid(True, alpha=0.3)
         ax.margins(x=0.15, y=0.12)
         if ax.get_legend_handles_labels()[0]:
@@ -281,7 +118,7 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
                    title="run")
     title = runs[0].name if not multi else ", ".join(run_names)
     fig.suptitle(f"Quality vs memory: {title} (lower left is better)")
-    _place_labels(fig, jobs, multi)
+    place_labels(fig, jobs, multi)
     return fig
 
 
@@ -314,10 +151,10 @@ def policy_bars(res: RunResults) -> Figure | None:
     for xi, v in zip(x, df["delta_ppl_pct"]):
         ax_p.annotate(f"{v:+.2f}%", (xi, v), xytext=(0, 3 if v >= 0 else -11), textcoords="offset points",
                       ha="center", fontsize=8)
-    if _use_symlog(list(df["delta_ppl_pct"]), thr or 1.0):
-        _symlog(ax_p, list(df["delta_ppl_pct"]), thr or 1.0)
+    if use_symlog(list(df["delta_ppl_pct"]), thr or 1.0):
+        symlog_axis(ax_p, list(df["delta_ppl_pct"]), thr or 1.0)
     ax_p.margins(y=0.12)
-    ax_p.set_ylabel("ΔPPL vs FP16 baseline (%)" + _scale_note(ax_p))
+    ax_p.set_ylabel("ΔPPL vs FP16 baseline (%)" + scale_note(ax_p))
     ax_p.set_title("Perplexity increase")
     ax_k.set_title("KL divergence, 95% CI")
     kd = df[df["kld_mean"].notna()]
@@ -332,7 +169,7 @@ def policy_bars(res: RunResults) -> Figure | None:
         kthr = res.threshold.get("kld")
         if kthr is not None:
             ax_k.axhline(kthr, color="black", ls="--", lw=1, label=f"threshold {kthr:g}")
-        if _log_ok(list(kd["kld_mean"])):
+        if log_scale_ok(list(kd["kld_mean"])):
             ax_k.set_yscale("log")
     ax_k.set_ylabel("mean KLD (nats/token)")
     ax_k.margins(y=0.1)
@@ -358,7 +195,7 @@ def by_position(res: RunResults) -> Figure | None:
     pos = res.positions[(res.positions["policy"] != BASELINE)]
     if pos.empty:
         return None
-    style = _style([BASELINE, *res.policies])
+    style = policy_styles([BASELINE, *res.policies])
     fig = Figure(figsize=(11, 4.7), layout="constrained")
     ax_l, ax_k = fig.subplots(1, 2)
     for i, (pname, g) in enumerate(pos.groupby("policy", sort=False)):
@@ -372,7 +209,7 @@ def by_position(res: RunResults) -> Figure | None:
     ax_l.set_title("Loss increase by position")
     ax_k.set_ylabel("mean KLD (nats/token)")
     ax_k.set_title("KL divergence by position")
-    if _log_ok(list(pos["kld"])):
+    if log_scale_ok(list(pos["kld"])):
         ax_k.set_yscale("log")
     for ax in (ax_l, ax_k):
         ax.set_xlabel("token position in the window (bin centre)")
@@ -405,7 +242,7 @@ def memory_bars(res: RunResults) -> Figure | None:
         bottom += vals
     fp16 = mem.loc[mem["policy"] == BASELINE, "total"]
     for xi, tot in zip(x, mem["total"]):
-        lab = _bytes_fmt(tot / ctx)
+        lab = bytes_label(tot / ctx)
         if len(fp16):
             lab += f"\n{float(fp16.iloc[0]) / tot:.2f}×"
         ax.annotate(lab, (xi, tot / ctx / KIB), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
@@ -430,7 +267,7 @@ def layer_errors(res: RunResults) -> Figure | None:
     lay = res.layers
     if lay.empty or "key_rel_mse" not in lay:
         return None
-    style = _style([BASELINE, *res.policies])
+    style = policy_styles([BASELINE, *res.policies])
     fig = Figure(figsize=(11, 4.7), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     for ax, tensor in zip(axes, ("key", "value")):
@@ -452,104 +289,6 @@ def layer_errors(res: RunResults) -> Figure | None:
         axes[0].set_yscale("log")
     axes[0].set_ylabel("relative MSE  ‖x̂ − x‖² / ‖x‖²")
     fig.suptitle(f"{res.name}: quantization error per layer")
-    return fig
-
-
-# ------------------------------------------------------------------------------------------- needle
-
-
-def needle_heatmaps(res: RunResults, max_cols: int = 4) -> Figure | None:
-    """Needle retrieval accuracy by context length × needle depth, one heatmap per policy (the baseline first),
-    then each policy's difference from the baseline (orange: worse, purple: better); ``max_cols`` per row."""
-    nd = res.needle
-    if nd.empty:
-        return None
-    pols = list(dict.fromkeys(nd["policy"]))
-    if BASELINE in pols:
-        pols = [BASELINE] + [p for p in pols if p != BASELINE]
-    quant = [p for p in pols if p != BASELINE]
-    diffs = quant if BASELINE in pols else []
-    ncols = min(max_cols, max(len(pols), 1))
-    acc_rows = -(-len(pols) // ncols)
-    diff_rows = -(-len(diffs) // ncols) if diffs else 0
-    nrows = acc_rows + diff_rows
-    fig = Figure(figsize=(2.9 * ncols + 1.3, 2.6 * nrows + 0.7), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-
-    def grid(p: str) -> pd.DataFrame:
-        g = nd[nd["policy"] == p].pivot_table(index="depth", columns="context", values="accuracy", aggfunc="mean")
-        return g.sort_index(ascending=True)
-
-    base = grid(BASELINE) if diffs else None
-    im = dim = None
-    acc_axes, diff_axes = [], []
-    for j, p in enumerate(pols):
-        ax = axes[j // ncols, j % ncols]
-        ax.axis("on")
-        g = grid(p)
-        im = ax.imshow(g.to_numpy(dtype=float), vmin=0, vmax=1, cmap="cividis", aspect="auto")
-        _label_grid(ax, g, "{:.2f}")
-        ax.set_title(p, fontsize=9)
-        acc_axes.append(ax)
-    for j, p in enumerate(diffs):
-        ax = axes[acc_rows + j // ncols, j % ncols]
-        ax.axis("on")
-        d = grid(p).reindex_like(base) - base
-        dim = ax.imshow(d.to_numpy(dtype=float), cmap="PuOr", norm=TwoSlopeNorm(0, -1, 1), aspect="auto")
-        _label_grid(ax, d, "{:+.2f}")
-        ax.set_title(f"{p} − baseline", fontsize=9)
-        diff_axes.append(ax)
-    if im is not None:
-        fig.colorbar(im, ax=acc_axes, label="retrieval accuracy", shrink=0.8)
-    if dim is not None:
-        fig.colorbar(dim, ax=diff_axes, label="Δ accuracy vs baseline", shrink=0.8)
-    fig.suptitle(f"{res.name}: needle in a haystack (rows: needle depth, columns: context tokens)")
-    return fig
-
-
-def _label_grid(ax, g: pd.DataFrame, fmt: str) -> None:
-    ax.set_xticks(range(len(g.columns)), [str(int(c)) if float(c).is_integer() else str(c) for c in g.columns],
-                  fontsize=8)
-    ax.set_yticks(range(len(g.index)), [f"{float(d):.0%}" if float(d) <= 1 else str(d) for d in g.index],
-                  fontsize=8)
-    ax.set_xlabel("context (tokens)", fontsize=8)
-    ax.set_ylabel("needle depth", fontsize=8)
-    arr = g.to_numpy(dtype=float)
-    if arr.size <= 64:
-        for (i, j), v in np.ndenumerate(arr):
-            if np.isfinite(v):
-                text = fmt.format(v).replace("-0.00", "0.00").replace("+0.00", "0.00")
-                ax.text(j, i, text, ha="center", va="center", fontsize=7,
-                        color="white" if (v < 0.5 and fmt == "{:.2f}") or v < -0.6 else "black")
-
-
-# ------------------------------------------------------------------------------------------- sensitivity
-
-
-def sensitivity_heatmap(res: RunResults) -> Figure | None:
-    """The scan: KLD when one layer's keys or values alone are quantized (rows: tensor × spec, columns: layer),
-    log colour scale; darker is more sensitive."""
-    sc = res.sensitivity
-    if sc.empty:
-        return None
-    sc = sc.assign(row=sc["tensor"].map({"key": "K", "value": "V"}).fillna(sc["tensor"].astype(str))
-                   + " " + sc["spec"].astype(str))
-    g = sc.pivot_table(index="row", columns="layer", values="kld", aggfunc="mean").sort_index()
-    arr = g.to_numpy(dtype=float)
-    finite = arr[np.isfinite(arr) & (arr > 0)]
-    norm = LogNorm(vmin=finite.min(), vmax=finite.max()) if finite.size and finite.max() > finite.min() else None
-    fig = Figure(figsize=(max(7, 0.3 * g.shape[1] + 3), 1.0 + 0.45 * g.shape[0] + 1.2), layout="constrained")
-    ax = fig.subplots()
-    im = ax.imshow(np.where(arr > 0, arr, np.nan), cmap="viridis_r", norm=norm, aspect="auto")
-    ax.set_yticks(range(g.shape[0]), list(g.index), fontsize=8)
-    step = max(1, g.shape[1] // 30)
-    ax.set_xticks(range(0, g.shape[1], step), [str(c) for c in list(g.columns)[::step]], fontsize=8)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("tensor and spec")
-    fig.colorbar(im, ax=ax, label="KLD from baseline (nats/token, log scale)")
-    ax.set_title(f"{res.name}: sensitivity (one layer's K or V quantized at a time)")
     return fig
 
 
@@ -630,7 +369,7 @@ def weights_x_kv(res: RunResults) -> Figure | None:
                        edgecolors="black", linewidths=0.6, zorder=3)
         lo = float(min(xs.min(), ys.min()))
         hi = float(max(xs.max(), ys.max()))
-        if ax is ax_k and _log_ok(list(xs) + list(ys)):
+        if ax is ax_k and log_scale_ok(list(xs) + list(ys)):
             ax.set_xscale("log")
             ax.set_yscale("log")
             lo, hi = lo / 1.5, hi * 1.5
@@ -678,13 +417,18 @@ def weights_x_kv(res: RunResults) -> Figure | None:
 
 
 def token_klds(res: RunResults) -> dict[str, np.ndarray]:
-    """Per policy, every scored token's KLD against the baseline (float32, the ``kld_values`` of its perplexity
-    records: the first perplexity entry, checkpoint weights), in window order; policies whose records have none
-    (an older kveval) are left out."""
+    """Per policy, every scored token's KLD against the baseline (float32, the ``kld_values`` of the window
+    records of the first task entry that writes them: ``<task>/w<i>/<policy>``, checkpoint weights), in window
+    order; policies whose records have none (an older kveval) are left out."""
     rec = res.records
-    if rec.empty or "kld_values" not in rec or "key" not in rec:
+    if rec.empty or "kld_values" not in rec or "key" not in rec or "task" not in rec:
         return {}
-    mine = rec[(rec.get("task") == "perplexity") & rec["key"].astype(str).str.fullmatch(r"perplexity/w\d+/[^/]+")]
+    keys = rec["key"].astype(str)
+    windows = keys.str.fullmatch(r"[^/]+/w\d+/[^/]+") & (keys.str.split("/").str[0] == rec["task"].astype(str))
+    writers = rec.loc[windows & rec["kld_values"].map(lambda v: isinstance(v, list)), "task"]
+    if writers.empty:
+        return {}
+    mine = rec[windows & (rec["task"] == writers.iloc[0])]
     if "weights" in mine:
         mine = mine[mine["weights"].isna()]
     out = {}
@@ -705,7 +449,7 @@ def kld_distribution(res: RunResults) -> Figure | None:
     klds = token_klds(res)
     if not klds:
         return None
-    style = _style([BASELINE, *res.policies])
+    style = policy_styles([BASELINE, *res.policies])
     positive = np.concatenate([v[v > 0] for v in klds.values()])
     if positive.size == 0:
         return None
@@ -756,13 +500,11 @@ RUN_PLOTS = {
     "kld_distribution": kld_distribution,
     "memory": memory_bars,
     "layer_errors": layer_errors,
-    "needle_grid": needle_heatmaps,
-    "sensitivity_grid": sensitivity_heatmap,
     "bits_per_layer": bits_per_layer,
 }
 
 __all__ = [
-    "quality_vs_memory", "policy_bars", "by_position", "memory_bars", "layer_errors", "needle_heatmaps",
-    "sensitivity_heatmap", "bits_per_layer", "weights_x_kv", "kld_distribution", "token_klds", "pareto_front", "save",
+    "quality_vs_memory", "policy_bars", "by_position", "memory_bars", "layer_errors",
+    "bits_per_layer", "weights_x_kv", "kld_distribution", "token_klds", "pareto_front", "save",
     "RUN_PLOTS", "OKABE_ITO",
 ]

@@ -3,19 +3,15 @@
     report_command(["results/int4_g64"])                      # into results/int4_g64/
     report_command(["results/a", "results/b"], out="cmp/")    # one table and one Pareto plot for both runs
 
-The report is built once as a list of blocks (heading, paragraph, list, table, image, code) and rendered twice:
-Markdown (images as relative ``plots/*.png`` links) and HTML (images embedded as base64 ``data:`` URIs, the
-stylesheet inline, no scripts and no external links: one file that reads offline).
+The report is built once as a list of blocks (:mod:`kveval.report.document`) and rendered twice, as Markdown and
+as self-contained HTML. The sections every run has are built here; each task adds its own through its reporting
+plug-in (:mod:`kveval.report.sections`), and "Reading" is :mod:`kveval.report.reading`.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import date, datetime
 from pathlib import Path
 
@@ -24,8 +20,12 @@ import pandas as pd
 from kveval.errors import KvevalError
 from kveval.fileio import atomic_write_text
 from kveval.report import plots, tables
-from kveval.report.task_figures import ruler_figure_name, write_task_figures
-from kveval.results import BASELINE, PLOTS_DIR, TABLES_DIR, RunResults, load, lock_folder
+from kveval.report.document import Block, to_html, to_markdown
+from kveval.report.reading import reading_of, worst_layers_table
+from kveval.report.sections import task_reporting
+from kveval.report.tables import format_general as _g
+from kveval.report.tables import is_number as _ok
+from kveval.results import BASELINE, PLOTS_DIR, TABLES_DIR, RunResults, lock_folder
 from kveval.results.layout import REPORT_FILES
 
 CAPTIONS = {
@@ -41,8 +41,6 @@ CAPTIONS = {
     "memory": "KV-cache bytes per token, split into codes, scales (+ zero points) and full-precision tokens.",
     "layer_errors": "Relative reconstruction error of keys and values per layer (log scale); policies that "
                     "share a spec for a tensor draw the same line there (one hides the other).",
-    "needle_grid": "Needle retrieval accuracy by context length and needle depth, and its difference from the baseline.",
-    "sensitivity_grid": "Per-layer sensitivity: KLD when only one layer's keys or values are quantized.",
     "bits_per_layer": "Bits per layer of the mixed-precision policies.",
     "weights_x_kv": "Quantized weights × quantized KV cache: the combined effect against the sum of the two "
                     "single effects (weights alone + KV alone), one point per (weight variant, KV policy), every "
@@ -50,12 +48,6 @@ CAPTIONS = {
 }
 
 
-@dataclass
-class Block:
-    kind: str  # "h" | "p" | "ul" | "table" | "img" | "code"
-    content: object
-    level: int = 2
-    caption: str = ""
 
 
 # ------------------------------------------------------------------------------------------- public API
@@ -66,8 +58,8 @@ def report_command(run_dirs: Sequence[str | Path], out: str | Path | None = None
 
     ``out`` defaults to the run folder (one run) or ``reports/<YYYY-MM-DD>`` (several). Returns the output folder.
     A missing or corrupt results folder raises :class:`KvevalError` with a one-line message before anything is
-    written. One run also gets its tasks' own figures (needle heatmaps, the scan's heatmap and ranking, for the
-    tasks whose ``plots`` parameter is true: :func:`kveval.report.task_figures.write_task_figures`).
+    written. Each task adds its section and draws its own figures (needle heatmaps, the scan's heatmap and ranking,
+    RULER's heatmaps, for the tasks whose ``plots`` parameter is true: :mod:`kveval.report.sections`).
 
     The output folder has one owner while the report is written (:func:`kveval.results.lock_folder`: a run still
     writing its folder refuses the report with one line naming it; ``kveval run`` itself already holds it). Every
@@ -77,6 +69,8 @@ def report_command(run_dirs: Sequence[str | Path], out: str | Path | None = None
     """
     if not run_dirs:
         raise KvevalError("give at least one results folder (results/<run>)")
+    from kveval.report import load
+
     runs = [load(d) for d in run_dirs]
     _dedupe_names(runs)
     if out is None:
@@ -86,8 +80,6 @@ def report_command(run_dirs: Sequence[str | Path], out: str | Path | None = None
                      hint="give another folder with -o"):
         _check_targets(out)
         try:
-            if len(runs) == 1:  # first: the report's RULER section shows (and the HTML embeds) these figures
-                write_task_figures(runs[0], out)
             blocks = build(runs, out)
             title = f"kveval report: {', '.join(r.name for r in runs)}"
             atomic_write_text(out / "report.md", to_markdown(blocks))
@@ -126,8 +118,8 @@ def _check_targets(out: Path) -> None:
 
 
 def write_run_report(run_dir: Path) -> None:
-    """What ``kveval run`` calls at the end of every run: the report into the run folder, with the figures of its
-    needle and sensitivity tasks (which draw nothing themselves).
+    """What ``kveval run`` calls at the end of every run: the report into the run folder, with its tasks' figures
+    (tasks draw nothing themselves).
 
     A report that fails is one :class:`KvevalError` line saying so (the command exits non-zero); the run's records
     and metrics are on disk before it is drawn and stay, so ``kveval report RUN_DIR`` redraws it once the cause is
@@ -150,7 +142,7 @@ def _dedupe_names(runs: list[RunResults]) -> None:
         seen[r.name] = n + 1
         if n:
             r.name = f"{r.name}-{n + 1}"
-            for df in (r.summary, r.positions, r.layers, r.needle, r.ruler, r.sensitivity, r.memory, r.task_entries):
+            for df in r.frames():
                 if "run" in df:
                     df["run"] = r.name
 
@@ -203,7 +195,9 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
                        caption=f"The policies under {label} alone, against the same threshold (a later entry of a "
                                "task kind already in the config; the tables above are the first entry's)"))
     b.extend(_weights_blocks(r, out, prefix, sub))
-    b.extend(_ruler_blocks(r, out, sub))
+    for plugin in task_reporting().values():  # each task's own section and figures (kveval.report.sections)
+        if plugin.section is not None:
+            b.extend(plugin.section(r, out, prefix, sub))
     planned = tables.plan_table(r)
     if not planned.empty:
         plan = r.metrics["plan"]
@@ -282,48 +276,6 @@ def _weights_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[B
     return b
 
 
-def _ruler_reading(r: RunResults) -> list[str]:
-    """One sentence on RULER: each entry's score over all samples, a policy's verdict and its worst family."""
-    entries = {BASELINE: r.metrics.get(BASELINE) or {}, **(r.metrics.get("policies") or {})}
-    parts = []
-    for name, m in entries.items():
-        if not isinstance(m, dict) or not _ok(m.get("ruler_score")):
-            continue
-        text = f"{name} {m['ruler_score']:.1f}"
-        families = m.get("ruler_families") or {}
-        worst = max(((f, v) for f, v in families.items() if isinstance(v, dict) and _ok(v.get("worst_drop"))),
-                    key=lambda fv: fv[1]["worst_drop"], default=None)
-        if name != BASELINE and m.get("ruler_verdict"):
-            text += f" ({m['ruler_verdict']}"
-            if worst is not None and worst[1]["worst_drop"] > 0:
-                text += f"; {worst[0]} loses {worst[1]['worst_drop']:.1f} points at {worst[1].get('worst_length')} tokens"
-            text += ")"
-        parts.append(text)
-    return ["RULER score (points, all samples): " + ", ".join(parts) + "."] if parts else []
-
-
-def _ruler_blocks(r: RunResults, out: Path, level: int) -> list[Block]:
-    """The RULER section (runs with a ruler task): the family × length table of scores with each policy's change
-    and each family's verdict, and the heatmaps that :func:`kveval.report.task_figures.plot_ruler` drew into
-    ``plots/`` (those that exist: a report of several runs, or a ruler task with ``plots: false``, has none)."""
-    table = tables.ruler_table(r)
-    if table.empty:
-        return []
-    params = (r.task_params("ruler") or [{}])[0]
-    max_drop = params.get("max_drop", 5.0)
-    b = [Block("h", "RULER (synthetic long context)", level),
-         Block("table", table, caption=f"RULER score in points (0-100, greedy generation through the real quantized "
-                                       f"cache, RULER's string match), in brackets the change against the baseline; "
-                                       f"a family fails when it loses more than {max_drop:g} points at some length")]
-    for name in dict.fromkeys(r.ruler["policy"]):
-        rel = f"{PLOTS_DIR}/{ruler_figure_name(name)}"
-        if (out / rel).is_file():
-            b.append(Block("img", (rel, f"RULER {name}"),
-                           caption=f"{name}: score, {'change against the baseline, ' if name != BASELINE else ''}"
-                                   "answer log-probability per token, by family and length"))
-    return b
-
-
 def _bytes(n) -> str:
     from kveval.units import format_bytes
 
@@ -359,9 +311,8 @@ def reproduce_command(env: dict) -> str | None:
 
 def _plot_title(stem: str) -> str:
     return {"quality_vs_memory": "Quality vs memory", "policy_quality": "Quality per policy",
-            "by_position": "By token position", "kld_distribution": "Per-token KL divergence", "memory": "Memory", "layer_errors": "Per-layer K/V error",
-            "needle_grid": "Needle in a haystack", "sensitivity_grid": "Layer × K/V sensitivity",
-            "bits_per_layer": "Bits per layer"}.get(stem, stem)
+            "by_position": "By token position", "kld_distribution": "Per-token KL divergence", "memory": "Memory",
+            "layer_errors": "Per-layer K/V error", "bits_per_layer": "Bits per layer"}.get(stem, stem)
 
 
 def _img(fig, out: Path, stem: str, caption: str, alt: str = "") -> Block:
@@ -416,9 +367,12 @@ def _overview(r: RunResults) -> list[str]:
 
 
 def _seq_len(r: RunResults) -> int | None:
+    """The window length of the first task entry that scores windows (``seq_len``), for the overview's line on
+    tokens evaluated."""
     for entry in r.config.get("tasks") or []:
-        if isinstance(entry, dict) and isinstance(entry.get("perplexity"), dict):
-            return entry["perplexity"].get("seq_len")
+        for params in (entry.values() if isinstance(entry, dict) else ()):
+            if isinstance(params, dict) and params.get("seq_len") is not None:
+                return params["seq_len"]
     return None
 
 
@@ -441,283 +395,5 @@ def _env_table(r: RunResults) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-# ------------------------------------------------------------------------------------------- automatic reading
-
-
-def _spec_rank(spec) -> float:
-    if spec.is_none:
-        return 16
-    return 8 if spec.format.startswith("fp8") else float(spec.bits or 16)
-
-
-def kv_pairs(r: RunResults) -> list[tuple[str, str]]:
-    """Pairs (low-bit-keys policy, low-bit-values policy) that differ only by swapping the K and V specs
-    (e.g. k4v8 and k8v4)."""
-    from kveval.policy import KVPolicy
-    from kveval.results.read import CONFIG_ERRORS
-
-    pols = {}
-    for p in r.policies:
-        try:
-            pols[p] = KVPolicy.from_config(r.policy_config(p), name=p)
-        except CONFIG_ERRORS:  # a policy this kveval cannot read (the run's summary says so): in no pair
-            continue
-    out = []
-    names = list(pols)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            pa, pb = pols[a], pols[b]
-            if pa.layers or pb.layers or pa.key == pa.value:
-                continue
-            same_windows = (pa.residual, pa.residual_mode, pa.sink_tokens, pa.prefill) == (
-                pb.residual, pb.residual_mode, pb.sink_tokens, pb.prefill)
-            if pa.key == pb.value and pa.value == pb.key and same_windows:
-                if _spec_rank(pa.key) < _spec_rank(pa.value):
-                    out.append((a, b))
-                elif _spec_rank(pb.key) < _spec_rank(pb.value):
-                    out.append((b, a))
-    return out
-
-
-def reading_of(r: RunResults) -> list[str]:
-    """A few sentences read off the numbers: K vs V sensitivity (only when the run holds K/V-swapped policies),
-    the cheapest policy within the threshold, error by position, worst layers, needle and scan highlights."""
-    out: list[str] = []
-    s = r.summary.set_index("policy")
-    from kveval.policy import KVPolicy
-
-    for lowk, lowv in kv_pairs(r):
-        if lowk not in s.index or lowv not in s.index:
-            continue
-        a, b = s.loc[lowk], s.loc[lowv]
-        pk = KVPolicy.from_config(r.policy_config(lowk), name=lowk)
-        lab_k = f"K{pk.key.bits_label}/V{pk.value.bits_label}"
-        lab_v = f"K{pk.value.bits_label}/V{pk.key.bits_label}"
-        da, db = a["delta_ppl_pct"], b["delta_ppl_pct"]
-        if not (_ok(da) and _ok(db)):
-            continue
-        overlap = (_ok(a["kld_ci95_lo"]) and _ok(b["kld_ci95_lo"])
-                   and a["kld_ci95_lo"] <= b["kld_ci95_hi"] and b["kld_ci95_lo"] <= a["kld_ci95_hi"])
-        costs = (f"{lab_k} ({lowk}) costs {da:+.2f}% ΔPPL (KLD {_g(a['kld_mean'])}), "
-                 f"{lab_v} ({lowv}) {db:+.2f}% (KLD {_g(b['kld_mean'])})")
-        if overlap:
-            out.append(f"Keys and values are about equally sensitive on this model (the KLD intervals overlap): "
-                       f"{costs}.")
-        else:
-            which = "Keys are more sensitive than values" if da > db else "Values are more sensitive than keys"
-            out.append(f"{which} on this model: {costs}.")
-    thr = r.threshold.get("delta_ppl_pct")
-    q = s.drop(index=BASELINE, errors="ignore")
-    if len(q) and "verdict" in q:
-        ok = q[q["verdict"].isin(["pass", "within_noise"])]
-        crit = f"ΔPPL ≤ {thr:g}%" if thr is not None else "the threshold"
-        cost_col = "bytes_per_token" if q["bytes_per_token"].notna().any() else "bits_per_element"
-        if len(ok):
-            best = ok.sort_values([cost_col, "delta_ppl_pct"]).index[0]
-            row = ok.loc[best]
-            mem = _mem_words(row)
-            out.append(f"The cheapest policy within {crit}: {best}{mem}, ΔPPL {row['delta_ppl_pct']:+.2f}%"
-                       + (f", KLD {_g(row['kld_mean'])}" if _ok(row["kld_mean"]) else "") + ".")
-            cheaper = q[(q[cost_col] < row[cost_col]) & ~q.index.isin(ok.index)] if _ok(row[cost_col]) else q.iloc[:0]
-            if len(cheaper):
-                nxt = cheaper.sort_values(cost_col, ascending=False).index[0]
-                out.append(f"The next cheaper policy, {nxt}{_mem_words(cheaper.loc[nxt])}, fails with ΔPPL "
-                           f"{cheaper.loc[nxt, 'delta_ppl_pct']:+.2f}%.")
-        elif q["delta_ppl_pct"].notna().any():
-            best = q["delta_ppl_pct"].idxmin()
-            out.append(f"No policy stays within {crit}; the least damaging is {best} "
-                       f"(ΔPPL {q.loc[best, 'delta_ppl_pct']:+.2f}%).")
-    # error by position, for the most damaging policy
-    pos = r.positions[(r.positions["policy"] != BASELINE) & r.positions["kld"].notna()]
-    if not pos.empty and len(q) and q["kld_mean"].notna().any():
-        worst = q["kld_mean"].idxmax()
-        g = pos[pos["policy"] == worst].sort_values("bin")
-        if len(g) >= 2 and g["kld"].iloc[0] > 0:
-            first, last = g["kld"].iloc[0], g["kld"].iloc[-1]
-            ratio = last / first
-            trend = "grows" if ratio > 1.25 else "shrinks" if ratio < 0.8 else "stays about flat"
-            out.append(f"Along the window, the KLD of {worst} {trend} from {_g(first)} (positions "
-                       f"{_span(g.iloc[0])}) to {_g(last)} (positions {_span(g.iloc[-1])}), ×{ratio:.2f}.")
-    worst_tab = worst_layers_table(r, n=3)
-    if not worst_tab.empty and len(q) and q["delta_ppl_pct"].notna().any():
-        worst = q["delta_ppl_pct"].idxmax()
-        hit = worst_tab[worst_tab["policy"] == worst]
-        if len(hit):
-            w = hit.iloc[0]
-            out.append(f"Worst layers under {worst} (the most damaging policy): keys {w['worst key layers']}, "
-                       f"values {w['worst value layers']} (relative MSE averaged over layers: keys "
-                       f"{w['mean key rel MSE']}, values {w['mean value rel MSE']}; the table below lists every "
-                       "policy).")
-    if len(q) and q["needle_accuracy"].notna().any():
-        base_acc = s.loc[BASELINE, "needle_accuracy"] if BASELINE in s.index else math.nan
-        parts = [f"{p} {a:.2f}" for p, a in q["needle_accuracy"].dropna().items()]
-        out.append("Needle retrieval accuracy: " + (f"baseline {base_acc:.2f}, " if _ok(base_acc) else "")
-                   + ", ".join(parts) + ".")
-    out.extend(_weights_reading(r))
-    out.extend(_ruler_reading(r))
-    if not r.sensitivity.empty and r.sensitivity["kld"].notna().any():
-        sc = r.sensitivity.dropna(subset=["kld"]).sort_values("kld", ascending=False)
-        top = [f"layer {int(c['layer'])} {c['tensor']}s ({c['spec']}, KLD {_g(c['kld'])})" for _, c in
-               sc.head(3).iterrows()]
-        means = sc.groupby("tensor")["kld"].mean()
-        kv = ""
-        if {"key", "value"} <= set(means.index):
-            kv = (f"; averaged over layers, quantizing keys costs {_g(means['key'])} KLD and values "
-                  f"{_g(means['value'])}")
-        out.append("Most sensitive in the scan: " + "; ".join(top) + kv + ".")
-    return out
-
-
-def _weights_reading(r: RunResults) -> list[str]:
-    """One sentence per weight variant: its effect alone, and for how many KV policies the combination's KLD is
-    worse than the sum of the two single effects (significantly: the 95% interval of the excess above 0)."""
-    df = tables.weights_frame(r)
-    out = []
-    for vname, g in df.groupby("weights", sort=False):
-        alone = g[g["policy"] == BASELINE]
-        pairs = g[(g["policy"] != BASELINE) & g["kld_excess"].notna()]
-        if alone.empty or pairs.empty:
-            continue
-        a = alone.iloc[0]
-        worse = pairs[pairs["kld_worse_than_sum"] == True]  # noqa: E712 - an object column of bools
-        sure = worse[worse["kld_interaction"] == "superadditive"]
-        top = pairs.loc[pairs["kld_excess"].astype(float).idxmax()]
-        out.append(f"Weights {vname} alone cost ΔPPL {a['delta_ppl_pct']:+.2f}% (KLD {_g(a['kld_mean'])}); with a "
-                   f"quantized cache the KLD is worse than the sum of the two effects for {len(worse)} of "
-                   f"{len(pairs)} policies ({len(sure)} beyond the 95% interval); the largest excess is "
-                   f"{top['policy']}'s, {float(top['kld_excess']):+.3g} ({_g(top['kld_sum'])} expected, "
-                   f"{_g(top['kld_mean'])} measured).")
-    return out
-
-
-def worst_layers_table(r: RunResults, n: int = 3) -> pd.DataFrame:
-    """Per policy: the ``n`` layers with the largest key and value relative MSE, and the means."""
-    lay = r.layers
-    rows = []
-    if lay.empty or "key_rel_mse" not in lay or "value_rel_mse" not in lay:
-        return pd.DataFrame()
-    for p, g in lay.groupby("policy", sort=False):
-        k = g.nlargest(n, "key_rel_mse")
-        v = g.nlargest(n, "value_rel_mse")
-        rows.append({
-            "policy": p,
-            "worst key layers": ", ".join(str(int(x)) for x in k["layer"]),
-            "key rel MSE": ", ".join(_g(x) for x in k["key_rel_mse"]),
-            "worst value layers": ", ".join(str(int(x)) for x in v["layer"]),
-            "value rel MSE": ", ".join(_g(x) for x in v["value_rel_mse"]),
-            "mean key rel MSE": _g(g["key_rel_mse"].mean()),
-            "mean value rel MSE": _g(g["value_rel_mse"].mean()),
-        })
-    return pd.DataFrame(rows)
-
-
-def _mem_words(row) -> str:
-    parts = []
-    if _ok(row.get("bits_per_element")):
-        parts.append(f"{row['bits_per_element']:.2f} bits/element")
-    if _ok(row.get("compression_vs_fp16")):
-        parts.append(f"{row['compression_vs_fp16']:.2f}× smaller than FP16")
-    return f" ({', '.join(parts)})" if parts else ""
-
-
-def _span(row) -> str:
-    return f"{int(row['start'])}-{int(row['end'])}" if _ok(row["start"]) and _ok(row["end"]) else f"bin {row['bin']}"
-
-
-def _ok(v) -> bool:
-    try:
-        return v is not None and not math.isnan(float(v))
-    except (TypeError, ValueError):
-        return False
-
-
-def _g(v) -> str:
-    return f"{float(v):.3g}" if _ok(v) else "n/a"
-
-
-# ------------------------------------------------------------------------------------------- rendering
-
-
-def _line(text: object) -> str:
-    """``text`` on one line (line breaks as spaces): a run or policy name with a newline cannot start a heading,
-    a list item or a table row of its own in report.md."""
-    return " ".join(str(text).splitlines())
-
-
-def _fence(code: str) -> str:
-    """A code fence longer than any run of backticks in ``code`` (a path holding ````` cannot close it)."""
-    longest = max((len(m) for m in re.findall(r"`+", code)), default=0)
-    return "`" * max(3, longest + 1)
-
-
-def to_markdown(blocks: list[Block]) -> str:
-    """report.md from the blocks; names and other text from the run files are kept to their cell, line or item
-    (tables: :func:`kveval.report.tables.md_cell`; headings, paragraphs, list items, captions: one line)."""
-    out = []
-    for b in blocks:
-        if b.kind == "h":
-            out.append("#" * b.level + " " + _line(b.content))
-        elif b.kind == "p":
-            out.append(_line(b.content))
-        elif b.kind == "ul":
-            out.append("\n".join(f"- {_line(item)}" for item in b.content))
-        elif b.kind == "table":
-            out.append((f"*{_line(b.caption)}*\n\n" if b.caption else "") + tables.to_markdown(b.content))
-        elif b.kind == "img":
-            src, alt = b.content
-            out.append(f"![{_line(alt)}]({src})" + (f"\n\n*{_line(b.caption)}*" if b.caption else ""))
-        elif b.kind == "code":
-            fence = _fence(str(b.content))
-            out.append(f"{fence}bash\n" + str(b.content) + f"\n{fence}")
-    return "\n\n".join(out) + "\n"
-
-
-STYLE = """
-body { font-family: system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; max-width: 1150px;
-       margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.45; }
-h1 { border-bottom: 2px solid #0072B2; padding-bottom: .2em; }
-h2 { border-bottom: 1px solid #ccc; padding-bottom: .15em; margin-top: 1.8em; }
-table { border-collapse: collapse; margin: .6em 0 1.2em; font-size: 0.9em; }
-caption { caption-side: top; text-align: left; font-style: italic; padding-bottom: .3em; }
-th, td { border: 1px solid #ccc; padding: .25em .6em; text-align: left; vertical-align: top; }
-th { background: #f0f0f0; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-td.pass { background: #d9f2e6; font-weight: 600; }
-td.fail { background: #fbe0d2; font-weight: 600; }
-td.within_noise { background: #dcecf7; font-weight: 600; }
-td.inconclusive { background: #fdf3c8; font-weight: 600; }
-figure { margin: 1em 0 1.6em; }
-figure img { max-width: 100%; height: auto; border: 1px solid #ddd; }
-figcaption { font-size: .9em; color: #444; }
-pre { background: #f6f6f6; padding: .7em; overflow-x: auto; }
-@media print { body { max-width: none; } figure { break-inside: avoid; } }
-"""
-
-
-def to_html(blocks: list[Block], title: str, out: Path) -> str:
-    """One self-contained HTML file: inline stylesheet, PNGs as base64 data URIs, no scripts, no links."""
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             f"<title>{html.escape(title)}</title>", f"<style>{STYLE}</style></head><body>"]
-    for b in blocks:
-        if b.kind == "h":
-            parts.append(f"<h{b.level}>{html.escape(str(b.content))}</h{b.level}>")
-        elif b.kind == "p":
-            parts.append(f"<p>{html.escape(str(b.content))}</p>")
-        elif b.kind == "ul":
-            parts.append("<ul>" + "".join(f"<li>{html.escape(str(i))}</li>" for i in b.content) + "</ul>")
-        elif b.kind == "table":
-            parts.append(tables.to_html(b.content, b.caption or None))
-        elif b.kind == "img":
-            src, alt = b.content
-            data = base64.b64encode((out / src).read_bytes()).decode("ascii")
-            parts.append(f'<figure><img alt="{html.escape(alt)}" '
-                         f'src="data:image/png;base64,{data}"><figcaption>{html.escape(b.caption)}</figcaption>'
-                         "</figure>")
-        elif b.kind == "code":
-            parts.append(f"<pre><code>{html.escape(str(b.content))}</code></pre>")
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
-
-
-__all__ = ["report_command", "write_run_report", "build", "reading_of", "kv_pairs", "worst_layers_table",
-           "to_markdown", "to_html"]
+__all__ = ["report_command", "write_run_report", "build", "reading_of", "worst_layers_table", "to_markdown",
+           "to_html", "Block"]

@@ -50,8 +50,8 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
     contexts, depths = [256, 512, 1024], [0.0, 0.5, 1.0]
     if needle:
         baseline["needle_accuracy"] = 1.0
-        baseline["needle_cells"] = [{"context": c, "depth": d, "accuracy": 1.0, "logprob": -0.1, "token_acc": 1.0}
-                                    for c in contexts for d in depths]
+        baseline["needle_cells"] = [{"variant": "passkey", "context": c, "depth": d, "accuracy": 1.0,
+                                     "logprob": -0.1, "token_acc": 1.0} for c in contexts for d in depths]
     metrics_pols = {}
     for pname, pol in pols.items():
         kb = np.mean([float(pol.specs_for_layer(i, LAYERS)[0].code_bits) for i in range(LAYERS)])
@@ -88,7 +88,7 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
             if abs(dpct) <= 0.4:
                 m["verdict"] = "within_noise"
         if needle:
-            cells = [{"context": c, "depth": d,
+            cells = [{"variant": "passkey", "context": c, "depth": d,
                       "accuracy": float(np.clip(1 - dpct / 100 * (c / 512) * (1.5 - d), 0, 1)),
                       "logprob": -0.1 - dpct / 50, "token_acc": float(np.clip(1 - dpct / 200, 0, 1))}
                      for c in contexts for d in depths]
@@ -105,7 +105,7 @@ def write_synthetic_run(path: str | Path, policies: tuple[str, ...] = DEFAULT_PO
             {"layer": i, "tensor": t, "spec": "int2_g32", "kld": float((0.3 if t == "key" else 0.1) * (1 + i)
                                                                        * (3 if i == 0 else 1)),
              "delta_ppl_pct": float((30 if t == "key" else 10) * (1 + i))}
-            for i in range(LAYERS) for t in ("key", "value")]}
+            for i in range(LAYERS) for t in ("key", "value")], "specs": ["int2_g32"]}
     config = {
         "name": name,
         "model": {"name": "builtin:tiny-llama", "device": "cpu", "dtype": "float32", "trust_remote_code": False},

@@ -11,8 +11,9 @@ from pathlib import Path
 import pandas as pd
 
 from kveval.fileio import atomic_write_text
+from kveval.report.sections import summary_columns, summary_keys
 from kveval.results import BASELINE, RunResults
-from kveval.results.read import TASK_ENTRY_COLUMNS
+from kveval.results.read import task_entry_columns
 
 #: Columns :func:`summary` adds to ``RunResults.summary`` from each policy's metrics: llama-perplexity's headline
 #: statistics (metrics.json's ``llama_perplexity``, Δp and same top p in percent) and the power fields
@@ -93,7 +94,7 @@ def _stat(stats: dict, key: str, unc: bool) -> str:
 
 def verdict_table(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
     """The readable verdict table: policy, spec, PPL, ΔPPL %, KLD [95% CI], top-1, bits/element, compression,
-    needle accuracy (when measured), verdict. Formatted strings; a ``run`` column only for several runs."""
+    the tasks' own columns (when measured: their plug-ins' ``SummaryColumn.table``), verdict. Formatted strings; a ``run`` column only for several runs."""
     runs = [runs] if isinstance(runs, RunResults) else list(runs)
     return _verdict_rows(summary(runs), keep_run=len(runs) > 1)
 
@@ -103,7 +104,7 @@ def task_entries(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
     perplexity task's own numbers, labelled ``tasks[i]``); empty when no config repeats a task kind."""
     runs = [runs] if isinstance(runs, RunResults) else list(runs)
     frames = [r.task_entries for r in runs if not r.task_entries.empty]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TASK_ENTRY_COLUMNS)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=task_entry_columns(summary_keys()))
 
 
 def task_entry_table(res: RunResults, label: str) -> pd.DataFrame:
@@ -115,9 +116,10 @@ def task_entry_table(res: RunResults, label: str) -> pd.DataFrame:
 
 
 def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
-    """The formatted verdict rows of summary rows ``df`` (``SUMMARY_COLUMNS``); columns that are empty in every
+    """The formatted verdict rows of summary rows ``df`` (``RunResults.summary``'s columns); columns that are empty in every
     row are left out (the ``run`` column too unless ``keep_run``)."""
     rows = []
+    task_columns = [c for c in summary_columns() if c.table is not None]  # the tasks' own (their plug-ins)
     for _, r in df.iterrows():
         base = r["policy"] == BASELINE
         kld = "" if base or not _ok(r["kld_mean"]) else _g(r["kld_mean"]) + (
@@ -135,7 +137,7 @@ def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
             "bytes/token": _f(r["bytes_per_token"], ",.0f"),
             "compression": _f(r["compression_vs_fp16"], ".2f", suffix="×"),
             "max batch": _f(r["max_batch"], ".0f"),
-            "needle acc": _f(r["needle_accuracy"], ".2f"),
+            **{c.table[0]: _f(r.get(c.key), c.table[1]) for c in task_columns},
             "noise floor ΔPPL %": _f(r["noise_floor_ppl_pct"], ".2f", prefix="±"),
             "preset checked": "" if base else _checked(r["policy"]),
             "MDE ΔPPL %": "" if base else _f(r.get("delta_ppl_pct_mde"), ".2f"),
@@ -205,52 +207,6 @@ WEIGHTS_COLUMNS = [
     "kld_excess_ci95_hi", "kld_interaction", "kld_worse_than_sum", "kv_on_weights_kld_mean",
     "kv_on_weights_delta_ppl_pct", "max_batch", "verdict",
 ]
-
-
-def ruler_table(res: RunResults) -> pd.DataFrame:
-    """RULER per family × length (rows) and policy (columns, the baseline first): the score in points (0..100)
-    over the cell's samples, a policy's change against the baseline in brackets (negative: points lost), and each
-    family's verdict on its first row. Empty when the run has no ruler task."""
-    df = res.ruler
-    if df.empty:
-        return pd.DataFrame()
-    names = list(dict.fromkeys(df["policy"]))
-    rows = []
-    for (family, length), cell in df.groupby(["family", "length"], sort=False):
-        row = {"family": family, "length": int(length), "samples": int(cell["samples"].max())}
-        for name in names:
-            hit = cell[cell["policy"] == name]
-            if not len(hit):
-                row[name] = ""
-                continue
-            h = hit.iloc[0]
-            row[name] = _f(h["score"], ".1f") + ("" if name == BASELINE or not _ok(h["drop"])
-                                                else f" ({_f(-float(h['drop']) + 0.0, '+.1f')})")
-        rows.append(row)
-    out = pd.DataFrame(rows)
-    verdicts = df[df["policy"] != BASELINE].groupby(["family", "policy"], sort=False)["verdict"].first()
-    for name in names[1:] if names and names[0] == BASELINE else names:
-        out[f"{name} verdict"] = [_ruler_verdict(res, name, f, verdicts.get((f, name), ""))
-                                  if i == 0 or out["family"].iloc[i - 1] != f else ""
-                                  for i, f in enumerate(out["family"])]
-    return out
-
-
-def _ruler_verdict(res: RunResults, policy: str, family: str, verdict) -> str:
-    """A family's verdict with the minimum detectable drop at its worst length (score points) and, when
-    inconclusive, how many more samples per cell would decide it (metrics.json's ``ruler_families`` and
-    ``ruler_cells``; the verdict alone for a run that has none)."""
-    m = ((res.metrics or {}).get("policies") or {}).get(policy) or {}
-    fam = (m.get("ruler_families") or {}).get(family) or {}
-    cell = next((c for c in m.get("ruler_cells") or [] if c.get("family") == family
-                 and c.get("length") == fam.get("worst_length")), {})
-    text = str(verdict or "")
-    extra = []
-    if _ok(cell.get("drop_mde")):
-        extra.append(f"MDE {float(cell['drop_mde']):.1f}")
-    if text == "inconclusive" and _ok(fam.get("more_samples_to_decide")):
-        extra.append(f"+{int(fam['more_samples_to_decide']):,} samples")
-    return text + (f" ({', '.join(extra)})" if text and extra else "")
 
 
 def weights_frame(res: RunResults) -> pd.DataFrame:
@@ -332,8 +288,8 @@ def _with_ci(r, name: str, spec: str) -> str:
 
 
 def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
-    """Write ``summary.csv``, ``positions.csv``, ``layers.csv``, ``memory.csv`` and, when present,
-    ``needle.csv``, ``ruler.csv``, ``sensitivity.csv``, ``task_entries.csv`` (the later entries of a repeated task kind, one
+    """Write ``summary.csv``, ``positions.csv``, ``layers.csv``, ``memory.csv`` and, when present, each of the
+    tasks' tables (``RunResults.tables``: ``needle.csv``...), ``task_entries.csv`` (the later entries of a repeated task kind, one
     row per entry and policy) and ``weights_x_kv.csv`` (:func:`weights_frame`) (all runs concatenated, a ``run``
     column first); returns name -> path."""
     tables_dir = Path(tables_dir)
@@ -344,16 +300,16 @@ def write_csvs(runs: Sequence[RunResults], tables_dir: Path) -> dict[str, Path]:
         "positions": pd.concat([r.positions for r in runs], ignore_index=True),
         "layers": pd.concat([r.layers for r in runs], ignore_index=True),
         "memory": pd.concat([r.memory for r in runs], ignore_index=True),
-        "needle": pd.concat([r.needle for r in runs], ignore_index=True),
-        "ruler": pd.concat([r.ruler for r in runs], ignore_index=True),
-        "sensitivity": pd.concat([r.sensitivity for r in runs], ignore_index=True),
+    }
+    optional = {  # written only when some run has rows: the tasks' tables, the later entries, the weights, the tool
+        **{name: pd.concat([r.tables[name] for r in runs if name in r.tables], ignore_index=True)
+           for name in dict.fromkeys(n for r in runs for n in r.tables)},
         "task_entries": task_entries(runs),
         "weights_x_kv": pd.concat([weights_frame(r) for r in runs], ignore_index=True),
         "llama_perplexity": llama_perplexity_frame(runs),
     }
+    frames.update({name: df for name, df in optional.items() if not df.empty})
     for name, df in frames.items():
-        if df.empty and name in ("needle", "ruler", "sensitivity", "task_entries", "weights_x_kv", "llama_perplexity"):
-            continue
         path = tables_dir / f"{name}.csv"
         atomic_write_text(path, csv_safe(df).to_csv(index=False))
         out[name] = path
@@ -445,20 +401,39 @@ def _looks_numeric(text: str) -> bool:
         return False
 
 
-def _ok(v) -> bool:
+def has_value(v) -> bool:
+    """Not None and not NaN (a table cell to fill)."""
     return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def is_number(v) -> bool:
+    """A value that reads as a number other than NaN (strings and other objects do not)."""
+    try:
+        return v is not None and not math.isnan(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def format_general(v) -> str:
+    """``v`` with three significant digits, ``n/a`` when it is no number (the report's sentences)."""
+    return f"{float(v):.3g}" if is_number(v) else "n/a"
+
+
+def format_number(v, spec: str, prefix: str = "", suffix: str = "") -> str:
+    """A table cell: ``v`` formatted with ``spec`` between ``prefix`` and ``suffix``, empty without a value."""
+    return "" if not has_value(v) else f"{prefix}{format(float(v), spec)}{suffix}"
+
+
+_ok, _f = has_value, format_number
 
 
 def _g(v) -> str:
     return "" if not _ok(v) else f"{float(v):.3g}"
 
 
-def _f(v, spec: str, prefix: str = "", suffix: str = "") -> str:
-    return "" if not _ok(v) else f"{prefix}{format(float(v), spec)}{suffix}"
-
-
 __all__ = ["summary", "llama_perplexity_frame", "llama_stats_table", "SUMMARY_EXTRA", "verdict_table", "task_entries", "task_entry_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
-           "md_cell", "csv_safe", "csv_safe_cell", "weights_frame", "weights_table", "WEIGHTS_COLUMNS", "ruler_table"]
+           "md_cell", "csv_safe", "csv_safe_cell", "weights_frame", "weights_table", "WEIGHTS_COLUMNS",
+           "format_general", "format_number", "has_value", "is_number"]
 
 
 def plan_table(res: RunResults) -> pd.DataFrame:

@@ -1,7 +1,8 @@
 """The results feature: the one place that writes and reads run folders (``results/<run>/``).
 
 ``layout`` names a run folder's files and the baseline, says what each file holds and where a run's folder is
-(``run_folder``: contained, ``~`` expanded); ``lock`` gives a folder one owner at a time; ``store`` owns a run folder
+(``run_folder``: contained, ``~`` expanded); ``lock`` gives a folder one owner at a time; ``checks`` reads a folder
+before a run opens it (whose it is, what it holds, its tokens); ``store`` owns a run folder
 while a run writes it (resolved config, env.json, records.jsonl appended as work completes, metrics.json written
 atomically); ``read`` loads a finished folder into pandas for reports, notebooks and ``kveval plan``::
 

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,24 +43,31 @@ def _first(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
-#: Columns of ``RunResults.summary`` (always present, NaN where the run did not measure them).
-SUMMARY_COLUMNS = [
-    "run", "policy", "spec", "ppl", "delta_ppl", "delta_ppl_pct", "kld_mean", "kld_ci95_lo", "kld_ci95_hi",
-    "top1_agree", "needle_accuracy", "needle_answer_logprob", "needle_token_acc", "bytes_per_token",
-    "compression_vs_fp16", "bits_per_element", "max_batch", "key_rel_mse_mean", "value_rel_mse_mean",
-    "noise_floor_ppl_pct", "noise_floor_kld", "tokens", "verdict",
-]
+#: Columns of ``RunResults.summary`` every run has (NaN where it did not measure them): the quality columns, then
+#: (after the columns the tasks' reporting plug-ins add: :func:`summary_columns`) the cost and bookkeeping ones.
+QUALITY_COLUMNS = ["run", "policy", "spec", "ppl", "delta_ppl", "delta_ppl_pct", "kld_mean", "kld_ci95_lo",
+                   "kld_ci95_hi", "top1_agree"]
+COST_COLUMNS = ["bytes_per_token", "compression_vs_fp16", "bits_per_element", "max_batch", "key_rel_mse_mean",
+                "value_rel_mse_mean", "noise_floor_ppl_pct", "noise_floor_kld", "tokens", "verdict"]
+SUMMARY_COLUMNS = [*QUALITY_COLUMNS, *COST_COLUMNS]
 POSITION_COLUMNS = ["run", "policy", "bin", "start", "end", "center", "loss", "delta_loss", "kld"]
-NEEDLE_COLUMNS = ["run", "policy", "context", "depth", "accuracy", "logprob", "token_acc"]
-#: Columns of ``RunResults.ruler``: one row per (policy, family, length) of metrics.json's ``ruler_cells``, with
-#: the family's verdict (``pass`` | ``fail``; empty for the baseline).
-RULER_COLUMNS = ["run", "policy", "family", "length", "samples", "score", "drop", "logprob", "logprob_delta",
-                 "verdict"]
-SENSITIVITY_COLUMNS = ["run", "layer", "tensor", "spec", "kld", "delta_ppl_pct"]
 MEMORY_COLUMNS = ["run", "policy", "context", "codes", "scales", "residual", "total", "bytes_per_token"]
-#: Columns of ``RunResults.task_entries``: the summary columns of a later task entry of a kind already in the
-#: config, with the entry's label (``tasks[1]``) and kind.
+#: Columns of ``RunResults.task_entries`` (before the tasks' own): the summary columns of a later task entry of a
+#: kind already in the config, with the entry's label (``tasks[1]``) and kind.
 TASK_ENTRY_COLUMNS = ["run", "task", "kind", *SUMMARY_COLUMNS[1:]]
+
+#: a task's tables of one run: ``(run name, metrics.json) -> {table name: DataFrame}`` (``RunResults.tables``)
+TaskTables = Callable[[str, dict], "dict[str, pd.DataFrame]"]
+
+
+def summary_columns(task_columns: Sequence[str] = ()) -> list[str]:
+    """The summary's columns with the tasks' own (``task_columns``) between the quality and the cost columns."""
+    return [*QUALITY_COLUMNS, *[c for c in task_columns if c not in SUMMARY_COLUMNS], *COST_COLUMNS]
+
+
+def task_entry_columns(task_columns: Sequence[str] = ()) -> list[str]:
+    """``RunResults.task_entries``'s columns: the entry's label and kind, then the summary's."""
+    return ["run", "task", "kind", *summary_columns(task_columns)[1:]]
 
 
 @dataclass
@@ -72,7 +80,8 @@ class RunResults:
     * ``summary``: one row per policy, ``baseline`` first; columns ``SUMMARY_COLUMNS``: ``spec`` (the policy in
       words), ``ppl``, ``delta_ppl``, ``delta_ppl_pct`` (100 * (PPL / PPL_fp - 1)), ``kld_mean`` and its 95%
       bootstrap CI ``kld_ci95_lo/hi`` (nats per token), ``top1_agree`` (fraction of tokens whose argmax matches the
-      baseline), ``needle_*``, ``bytes_per_token`` (KV bytes per token of one sequence, all layers, K and V,
+      baseline), the tasks' own columns (``needle_accuracy``...: their reporting plug-ins,
+      :mod:`kveval.report.sections`), ``bytes_per_token`` (KV bytes per token of one sequence, all layers, K and V,
       scales included), ``compression_vs_fp16``, ``bits_per_element``, ``max_batch``, ``key/value_rel_mse_mean``,
       ``noise_floor_*``, ``tokens`` (tokens evaluated) and ``verdict`` ("pass" | "fail" | "within_noise"; empty
       for the baseline).
@@ -80,12 +89,9 @@ class RunResults:
       end exclusive), ``center``, ``loss`` (mean NLL, nats/token), ``delta_loss`` (minus the baseline's), ``kld``.
     * ``layers``: one row per (policy, layer): ``layer`` and the ``key_*`` / ``value_*`` error columns of
       ``layer_errors`` (``*_rel_mse``, ``*_sqnr_db``, ``*_max_abs_err``, ``*_outlier_channels``, ``*_outlier_ratio``).
-    * ``needle``: one row per (policy, context, depth) when the needle task ran (``NEEDLE_COLUMNS``), else empty.
-    * ``ruler``: one row per (policy, family, length) when the ruler task ran (``RULER_COLUMNS``: ``score`` in
-      points 0..100, ``drop`` against the baseline, answer ``logprob`` per token and its delta, the family's
-      ``verdict``), else empty.
-    * ``sensitivity``: the scan cells (``layer``, ``tensor`` "key"|"value", ``spec``, ``kld``, ``delta_ppl_pct``)
-      when a sensitivity scan ran, else empty.
+    * ``tables``: the tasks' own tables, by name (given by the tasks' reporting plug-ins when loaded through
+      :func:`kveval.report.load`; each also reads as an attribute: ``res.needle``, ``res.ruler``,
+      ``res.sensitivity``; their columns are in each task's ``reporting.py``), empty frames when the run has none.
     * ``memory``: the memory bill per policy at ``context`` tokens, bytes of ``codes``, ``scales`` (zero points
       included) and ``residual`` (full precision), when the model's shape is known, else empty.
     * ``records``: ``records.jsonl`` as a DataFrame; ``config``, ``env``, ``metrics``: the raw documents.
@@ -103,12 +109,21 @@ class RunResults:
     summary: pd.DataFrame
     positions: pd.DataFrame
     layers: pd.DataFrame
-    needle: pd.DataFrame
-    sensitivity: pd.DataFrame
     memory: pd.DataFrame
     records: pd.DataFrame = field(repr=False)
-    ruler: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=RULER_COLUMNS))
     task_entries: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=TASK_ENTRY_COLUMNS), repr=False)
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
+
+    def __getattr__(self, name: str) -> pd.DataFrame:
+        """A task's table by name (``res.needle``: ``res.tables["needle"]``)."""
+        tables = self.__dict__.get("tables") or {}
+        if name in tables:
+            return tables[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or task table {name!r}")
+
+    def frames(self) -> list[pd.DataFrame]:
+        """Every frame of the run that has a ``run`` column (the report renames a run through them)."""
+        return [self.summary, self.positions, self.layers, self.memory, self.task_entries, *self.tables.values()]
 
     @property
     def policies(self) -> list[str]:
@@ -172,7 +187,7 @@ def read_metrics(run_dir: str | Path) -> dict:
     metrics = _read_json(path)
     if not isinstance(metrics, dict) or not isinstance(metrics.get("policies", {}), dict):
         raise KvevalError(f"{path} is not a kveval metrics document (no 'policies' mapping); rerun the config")
-    for section in (BASELINE, "memory", "sensitivity", "plan", TASK_ENTRIES):
+    for section in (BASELINE, "memory", "plan", TASK_ENTRIES):
         if metrics.get(section) is not None and not isinstance(metrics[section], dict):
             raise KvevalError(f"{path}: '{section}' is not a mapping; rerun the config to rebuild it")
     for label, part in (metrics.get(TASK_ENTRIES) or {}).items():
@@ -310,7 +325,9 @@ def _memory(name: str, metrics: dict, config: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=MEMORY_COLUMNS)
 
 
-def _summary(name: str, metrics: dict, config: dict, memory: pd.DataFrame) -> pd.DataFrame:
+def _summary(name: str, metrics: dict, config: dict, memory: pd.DataFrame, task_columns: Sequence[str] = ()
+             ) -> pd.DataFrame:
+    columns = summary_columns(task_columns)
     pols = ((config.get("kv") or {}).get("policies") or {})
     base = metrics.get(BASELINE) or {}
     entries = [(BASELINE, base)] + list((metrics.get("policies") or {}).items())
@@ -322,7 +339,7 @@ def _summary(name: str, metrics: dict, config: dict, memory: pd.DataFrame) -> pd
         m = m or {}
         ci = m.get("kld_ci95") or [None, None]
         row: dict[str, Any] = {"run": name, "policy": pname, "spec": describe_policy(pols.get(pname), pname)}
-        for col in SUMMARY_COLUMNS:
+        for col in columns:
             if col in ("run", "policy", "spec", "kld_ci95_lo", "kld_ci95_hi", "verdict"):
                 continue
             row[col] = _num(m.get(col))
@@ -340,7 +357,7 @@ def _summary(name: str, metrics: dict, config: dict, memory: pd.DataFrame) -> pd
                 row["compression_vs_fp16"] = fp16_bpt / bpt
         row["verdict"] = "" if pname == BASELINE else str(m.get("verdict") or "")
         rows.append(row)
-    df = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    df = pd.DataFrame(rows, columns=columns)
     # bits per element from the bill: 8 * total / elements; elements = 2 * layers * kv_heads * context * head_dim
     arch = _arch(metrics, config)
     if arch is not None and not memory.empty:
@@ -390,54 +407,32 @@ def _layers(name: str, metrics: dict) -> pd.DataFrame:
     return df
 
 
-def _task_entries(name: str, metrics: dict, config: dict, memory: pd.DataFrame) -> pd.DataFrame:
+def _task_entries(name: str, metrics: dict, config: dict, memory: pd.DataFrame, task_columns: Sequence[str] = ()
+                  ) -> pd.DataFrame:
     """``RunResults.task_entries``: the summary rows of every later task entry that measured something per policy
-    (perplexity, needle), each labelled with its entry."""
+    (a perplexity column or a task's own), each labelled with its entry."""
     frames = []
+    columns = task_entry_columns(task_columns)
     for label, part in (metrics.get(TASK_ENTRIES) or {}).items():
         if not part.get("policies"):
             continue  # a scan (its own section), or an entry with nothing per policy
-        df = _summary(name, {**part, "model": metrics.get("model"), "memory": metrics.get("memory")}, config, memory)
-        if not df[["ppl", "needle_accuracy", "needle_answer_logprob"]].notna().to_numpy().any():
-            continue  # lm-eval: nothing of the summary's columns
+        df = _summary(name, {**part, "model": metrics.get("model"), "memory": metrics.get("memory")}, config, memory,
+                      task_columns)
+        if not df[["ppl", *task_columns]].notna().to_numpy().any():
+            continue  # nothing of the summary's columns (lm-eval's numbers are its own)
         df.insert(1, "task", str(label))
         df.insert(2, "kind", str(part.get("kind") or ""))
         frames.append(df)
     if not frames:
-        return pd.DataFrame(columns=TASK_ENTRY_COLUMNS)
-    return pd.concat(frames, ignore_index=True)[TASK_ENTRY_COLUMNS]
+        return pd.DataFrame(columns=columns)
+    return pd.concat(frames, ignore_index=True)[columns]
 
 
-def _needle(name: str, metrics: dict) -> pd.DataFrame:
-    rows = []
-    for pname, m in [(BASELINE, metrics.get(BASELINE) or {}), *(metrics.get("policies") or {}).items()]:
-        for cell in (m or {}).get("needle_cells") or []:
-            if isinstance(cell, dict):
-                rows.append({"run": name, "policy": pname, **{c: cell.get(c) for c in NEEDLE_COLUMNS[2:]}})
-    return pd.DataFrame(rows, columns=NEEDLE_COLUMNS)
-
-
-def _ruler(name: str, metrics: dict) -> pd.DataFrame:
-    rows = []
-    for pname, m in [(BASELINE, metrics.get(BASELINE) or {}), *(metrics.get("policies") or {}).items()]:
-        families = (m or {}).get("ruler_families") or {}
-        for cell in (m or {}).get("ruler_cells") or []:
-            if isinstance(cell, dict):
-                verdict = (families.get(cell.get("family")) or {}).get("verdict") if isinstance(families, dict) else None
-                rows.append({"run": name, "policy": pname, **{c: cell.get(c) for c in RULER_COLUMNS[2:-1]},
-                             "verdict": verdict or ""})
-    return pd.DataFrame(rows, columns=RULER_COLUMNS)
-
-
-def _sensitivity(name: str, metrics: dict) -> pd.DataFrame:
-    cells = (metrics.get("sensitivity") or {}).get("cells") or []
-    rows = [{"run": name, **{c: cell.get(c) for c in SENSITIVITY_COLUMNS[1:]}} for cell in cells
-            if isinstance(cell, dict)]
-    return pd.DataFrame(rows, columns=SENSITIVITY_COLUMNS)
-
-
-def load(run_dir: str | Path) -> RunResults:
+def load(run_dir: str | Path, task_columns: Sequence[str] = (), task_tables: TaskTables | None = None) -> RunResults:
     """Load ``results/<run>/`` into a :class:`RunResults` (see its docstring for every frame and column).
+
+    ``task_columns``: the tasks' own summary columns; ``task_tables``: their tables (both given by
+    :func:`kveval.report.load`, which reads the tasks' reporting plug-ins; without them the run's generic frames).
 
     Raises :class:`kveval.errors.KvevalError` (one line) when the folder or its ``metrics.json`` is missing or
     corrupt (not JSON, or JSON without the shape of a metrics document); the other files are optional but must
@@ -453,10 +448,10 @@ def load(run_dir: str | Path) -> RunResults:
         memory = _memory(name, metrics, config)
         return RunResults(
             path=path, name=name, metrics=metrics, config=config, env=env,
-            summary=_summary(name, metrics, config, memory), positions=_positions(name, metrics),
-            layers=_layers(name, metrics), needle=_needle(name, metrics), sensitivity=_sensitivity(name, metrics),
-            memory=memory, records=pd.DataFrame(records), ruler=_ruler(name, metrics),
-            task_entries=_task_entries(name, metrics, config, memory),
+            summary=_summary(name, metrics, config, memory, task_columns), positions=_positions(name, metrics),
+            layers=_layers(name, metrics), memory=memory, records=pd.DataFrame(records),
+            task_entries=_task_entries(name, metrics, config, memory, task_columns),
+            tables=task_tables(name, metrics) if task_tables is not None else {},
         )
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # a hand-edited document
         raise KvevalError(f"{path / METRICS_FILE} does not have the shape of a kveval metrics document "
@@ -465,4 +460,5 @@ def load(run_dir: str | Path) -> RunResults:
 
 
 __all__ = ["BASELINE", "RunResults", "load", "read_metrics", "read_config", "read_env", "read_records",
-           "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS", "RULER_COLUMNS", "TASK_ENTRY_COLUMNS"]
+           "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS", "TASK_ENTRY_COLUMNS", "summary_columns",
+           "task_entry_columns"]

@@ -11,7 +11,7 @@ The rules that keep a folder's records whole (the caller holds the folder's lock
 * Ownership: kveval writes only into a new or empty folder, a folder it made (the marker
   :data:`~kveval.results.layout.MARKER_FILE`) or a run folder of an older kveval (nothing but kveval's own file
   names); ``overwrite`` removes only kveval's own files there, and only once every check has passed
-  (:meth:`RunDir.open` is the last step before work).
+  (:mod:`kveval.results.checks`, read only; :meth:`RunDir.open` is the last step before work).
 * Reading: every complete record counts once, the first of each key (:meth:`RunDir.records`); a line that is
   not JSON, or not an object with a string ``key``, is skipped with a warning and the later lines still count.
 * Writing: records are appended whole, after a torn last line is cut (so a new record never glues onto it), and
@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import shutil
-import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Set
@@ -43,16 +42,15 @@ import yaml
 
 from kveval.errors import KvevalError
 from kveval.fileio import append_line, atomic_write_json, atomic_write_text, end_with_newline, scan_jsonl
+from kveval.results.checks import check_folder, check_tokens, is_own_name, not_regular, read_marker
+from kveval.results.checks import folder_kind as folder_kind  # re-exported (kveval.commands.calibrate)
 from kveval.results.layout import (
     CONFIG_FILE,
     ENV_FILE,
     LOCK_FILE,
     MARKER_FILE,
     METRICS_FILE,
-    OWN_FILES,
     RECORDS_FILE,
-    SCALES_FILE,
-    SCALES_USED_FILE,
 )
 
 #: The marker's format version.
@@ -135,53 +133,6 @@ def _warn_stderr(message: str) -> None:
     print(f"kveval: warning: {message}", file=sys.stderr)
 
 
-def is_own_name(name: str) -> bool:
-    """Whether kveval writes a file of this name in a run folder (its files, the lock, and the hidden temporary
-    siblings ``.<file>.<random>`` that an interrupted atomic write leaves)."""
-    if name in OWN_FILES or name == LOCK_FILE:
-        return True
-    return name.startswith(".") and any(name.startswith(f".{own}.") for own in OWN_FILES)
-
-
-def folder_kind(path: str | os.PathLike[str]) -> str:
-    """What ``path`` is to kveval: ``"absent"``, ``"file"`` (not a folder), ``"empty"`` (a folder holding at most
-    a lock file), ``"marked"`` (it holds kveval's marker: kveval made it as a run folder), ``"legacy"`` (a run
-    folder of a kveval older than the marker: nothing but kveval's own names)
-    or ``"foreign"`` (anything else: the user's own files)."""
-    p = Path(path)
-    if not os.path.lexists(p):
-        return "absent"
-    if not p.is_dir():
-        return "file"
-    try:
-        names = [n for n in os.listdir(p) if n != LOCK_FILE]
-    except OSError as exc:
-        raise KvevalError(f"cannot read the folder {p}: {exc.strerror or exc}") from None
-    if not names:
-        return "empty"
-    if MARKER_FILE in names and stat.S_ISREG(os.lstat(p / MARKER_FILE).st_mode):
-        return "marked"
-    if all(is_own_name(n) for n in names):
-        return "legacy"
-    return "foreign"
-
-
-def _not_regular(path: Path) -> str | None:
-    """Why ``path`` cannot be a file kveval reads and writes in place ("a folder", "a symbolic link"...), or None
-    (absent, or a regular file)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    return "not a regular file"
-
-
 def tokens_digest(token_ids: Any) -> dict:
     """``{"sha256", "count"}`` of a sequence of token ids (a 1-D torch tensor, a numpy array or a list), hashed as
     little-endian int64: what the marker records, so that a resume on another corpus is caught."""
@@ -206,91 +157,17 @@ class RunDir:
         self._warn = warn or _warn_stderr
         self._warned: set[str] = set()
 
-    # --- checks (read only) -------------------------------------------------------------------------------------
+    # --- checks (read only: kveval.results.checks) --------------------------------------------------------------
     @classmethod
     def check(cls, path: Path, resolved_config: dict, *, overwrite: bool = False) -> bool:
-        """Whether the run folder ``path`` must be started afresh (True: only with ``overwrite``), after the checks
-        that need nothing but the folder; reads, never writes.
-
-        One-line :class:`KvevalError` when ``path`` is a file, holds files that are not a kveval run's (never
-        replaced, whatever ``overwrite`` says), holds a run of another config, or is damaged (its config not a
-        readable YAML file, its records not a regular file, records without a config) and ``overwrite`` is off.
-        """
-        path = Path(path)
-        kind = folder_kind(path)
-        if kind == "file":
-            raise KvevalError(f"{path} is a file, not a folder; set output: to a folder (new, or a kveval run folder)")
-        if kind == "foreign":
-            try:
-                example = sorted(n for n in os.listdir(path) if not is_own_name(n))[:2]
-            except OSError:
-                example = []
-            raise KvevalError(
-                f"{path} holds files that are not a kveval run's ({', '.join(map(repr, example))}); kveval writes "
-                "only into a new or empty folder or a run folder of its own, and never deletes a foreign one: "
-                "set output: to another folder"
-            )
-        if kind in ("absent", "empty"):
-            return False
-        damage = cls._damage(path)
-        if damage is not None:
-            if overwrite:
-                return True
-            raise KvevalError(f"{path} is a damaged run folder: {damage}; rerun with --overwrite to start it "
-                              "afresh, or set output: to another folder")
-        config_path = path / CONFIG_FILE
-        if not config_path.exists():
-            return False
-        same = yaml.safe_load(config_path.read_text()) == yaml.safe_load(yaml.safe_dump(resolved_config, sort_keys=False))
-        if not same and not overwrite:
-            raise KvevalError(
-                f"{path} holds a run of a different config; rerun with --overwrite to replace it, "
-                "or set output: to another folder"
-            )
-        return not same
-
-    @staticmethod
-    def _damage(path: Path) -> str | None:
-        """What makes a run folder unusable without starting afresh, in words, or None."""
-        config_path, records_path = path / CONFIG_FILE, path / RECORDS_FILE
-        why = _not_regular(config_path)
-        if why:
-            return f"{CONFIG_FILE} is {why}"
-        if config_path.exists():
-            try:
-                yaml.safe_load(config_path.read_text())
-            except (OSError, UnicodeDecodeError) as exc:
-                return f"{CONFIG_FILE} cannot be read ({getattr(exc, 'strerror', None) or exc})"
-            except yaml.YAMLError:
-                return f"{CONFIG_FILE} is not valid YAML"
-        elif os.path.lexists(records_path):
-            return f"it has {RECORDS_FILE} but no {CONFIG_FILE} (which config made them is unknown)"
-        why = _not_regular(records_path)
-        if why:
-            return f"{RECORDS_FILE} is {why}"
-        why = _not_regular(path / MARKER_FILE)
-        if why:
-            return f"{MARKER_FILE} is {why}"
-        for name in (ENV_FILE, METRICS_FILE, SCALES_FILE, SCALES_USED_FILE):  # replaced atomically: a link is fine
-            p = path / name
-            if p.is_dir() and not p.is_symlink():
-                return f"{name} is a folder"
-        return None
+        """Whether the run folder ``path`` must be started afresh (True: only with ``overwrite``); one-line
+        :class:`KvevalError` when this config may not use it (:func:`~kveval.results.checks.check_folder`)."""
+        return check_folder(path, resolved_config, overwrite=overwrite)
 
     @classmethod
     def check_tokens(cls, path: Path, digest: dict) -> None:
-        """Refuse (one-line :class:`KvevalError`) to resume the run folder ``path`` on token ids other than those
-        its records were computed on (``digest``: :func:`tokens_digest`). A folder that recorded none (new, or
-        made by an older kveval) passes."""
-        before = cls(path).marker().get("tokens")
-        if not isinstance(before, dict) or before.get("sha256") in (None, digest["sha256"]):
-            return
-        raise KvevalError(
-            f"{path}: its records were computed on other corpus tokens ({before.get('count')} tokens, sha256 "
-            f"{str(before.get('sha256'))[:12]}; now {digest['count']} tokens, sha256 {digest['sha256'][:12]}): the "
-            "corpus or the tokenizer changed since; rerun with --overwrite to start afresh, or set output: to "
-            "another folder"
-        )
+        """Refuse to resume ``path`` on other token ids (:func:`~kveval.results.checks.check_tokens`)."""
+        check_tokens(path, digest)
 
     # --- opening (the first write) ------------------------------------------------------------------------------
     @classmethod
@@ -307,7 +184,7 @@ class RunDir:
             run.path.mkdir(parents=True, exist_ok=True)
             if replace:
                 run._clear()
-            if _not_regular(run.path / MARKER_FILE) is None and not (run.path / MARKER_FILE).exists():
+            if not_regular(run.path / MARKER_FILE) is None and not (run.path / MARKER_FILE).exists():
                 run._write_marker({"format": MARKER_FORMAT, "created": now().isoformat(timespec="seconds"),
                                    "kveval": _version()})
             atomic_write_text(run.path / CONFIG_FILE, text)
@@ -332,14 +209,7 @@ class RunDir:
     # --- the marker and the folder's state ---------------------------------------------------------------------
     def marker(self) -> dict:
         """The marker's content (``{}`` when absent or unreadable)."""
-        p = self.path / MARKER_FILE
-        if _not_regular(p) is not None or not p.exists():
-            return {}
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+        return read_marker(self.path)
 
     def _write_marker(self, data: dict) -> None:
         atomic_write_json(self.path / MARKER_FILE, data)

@@ -1,70 +1,34 @@
 """KV-cache scales that a checkpoint ships, read as the serving engines load them, and written back in the same form.
 
-A model folder carries KV scales when its ``config.json`` ``quantization_config`` declares a KV cache scheme and its
-safetensors hold one ``k_scale`` / ``v_scale`` (and, where attention is quantized too, ``q_scale``) per attention
-layer:
+A model folder carries KV scales when its ``config.json`` ``quantization_config`` declares a KV cache scheme
+(compressed-tensors' ``kv_cache_scheme``, ModelOpt's ``kv_cache_quant_algo``) and its safetensors hold one
+``k_scale`` / ``v_scale`` (and, where attention is quantized too, ``q_scale``) per attention layer. Each step has
+its module, and every name below is importable from this one as well:
 
-- **compressed-tensors** (llm-compressor): ``quant_method: compressed-tensors`` with ``kv_cache_scheme``, a
-  ``QuantizationArgs`` (parsed with the compressed-tensors library itself: ``QuantizationConfig.model_validate``);
-  tensors ``model.layers.N.self_attn.{k,v,q}_scale``, shape ``[1]`` for ``strategy: tensor`` or
-  ``[num_kv_heads, 1, 1]`` for ``strategy: attn_head`` (compressed-tensors 0.20 ``initialize_attn_qparams``), in
-  the model's dtype; the scale of post-RoPE keys (the hook sits at ``past_key_values.update``).
-- **NVIDIA ModelOpt**: ``quant_method: modelopt`` with ``kv_cache_scheme`` (a dict for FP8, else the algorithm's
-  name) or ``hf_quant_config.json`` ``{"quantization": {"kv_cache_quant_algo": "FP8" | "NVFP4" | "INT8"}}``
-  (modelopt 0.47 ``convert_hf_config.py`` L240-282; these few JSON keys are read directly: nvidia-modelopt, the
-  library that defines them, is a heavy CUDA-oriented install); tensors ``model.layers.N.self_attn.k_proj.k_scale``
-  and ``...v_proj.v_scale`` (``quant_utils.py`` ``_KV_CACHE_REPLACEMENTS``), float32 scalars, ``amax / 448``
-  (NVFP4 before modelopt 0.42: ``amax / (6 * 448)``).
-
-A scale s is the dequantization multiplier: the cache stores ``q = cast(x / s)`` and reads ``q * s``.
-
-How each engine loads them (``engine_scales``; the values kveval quantizes with):
-
-- **vLLM 0.33.0** (g4ba787ec9), compressed-tensors: ``CompressedTensorsKVCacheMethod``
-  (``model_executor/layers/quantization/compressed_tensors/compressed_tensors.py`` L1093-1281):
-  ``validate_kv_cache_scheme`` accepts only ``type: float, num_bits: 8, symmetric`` with strategy ``tensor`` or
-  ``attn_head``; ``create_weights`` makes ``k/v/q_scale = torch.ones(n, float32)`` (n = kv heads for attn_head,
-  else 1), so a **missing scale is 1.0**; the attn_head loader flattens ``[H, 1, 1]`` to ``[H]`` and takes the max
-  of ``q_scale`` over each GQA group; every value is copied ``.to(float32)``; no check for zero, negative or NaN.
-  ModelOpt: ``ModelOptKVCacheMethod`` = ``BaseKVCacheMethod`` (``quantization/kv_cache.py`` L21-42, L78-170):
-  scalars initialised to -1 ("not loaded"); both loaded and > 0: used as loaded; both missing: 1.0; otherwise
-  ``assert k_scale > 0`` and both become ``max(k_scale, v_scale)`` (a **zero v_scale becomes k_scale**, a zero
-  k_scale stops the engine); a missing ``q_scale`` becomes ``k_scale``; on ROCm fp8-fnuz every scale is doubled
-  (kveval's FP8 is CUDA's e4m3fn: not applied). Names: ``maybe_remap_kv_scale_name``
-  (``model_loader/weight_utils.py`` L1722-1831) maps both spellings to ``self_attn.attn.{k,v,q}_scale``.
-- **SGLang 0.5.23**: FP8 ``--kv-cache-dtype fp8_e4m3`` reads the checkpoint's ``k_scale`` / ``v_scale`` (1.0
-  without; ``srt/arg_groups/fields/model.py`` L185-196); NVFP4 (``NVFP4KVCacheMethod.load_scales_from_model``,
-  ``srt/layers/quantization/fp4_kv_cache_quant_method.py`` L498-560): 1.0 without, and on SM100 a loaded scale
-  other than 1.0 is **multiplied by 6** (its TRT-LLM GenMHA kernels expect amax / 448, the checkpoints it assumes
-  hold amax / (6 * 448)); kveval follows the SM90 path (``fp4_quantize`` with ``1 / global_scale``: no factor)
-  unless the preset says SM100.
-- **TensorRT-LLM** (PyTorch backend, ``tensorrt_llm/_torch/modules/linear.py``
-  ``process_weights_after_loading_fused_qkv_linear``, stored version 3478255898): ``kv_scales = [1.0,
-  max(k_scales), max(v_scales)]`` over the fused q/k/v shards (one shard each here), float32, ``ones(3)`` without
-  (``TRTLLM_LOAD_KV_SCALES=1``, its default); its INT8 cache keeps one factor per layer for K and V together
-  (the larger: docs/engines.md, from its documentation).
-
-kveval refuses what an engine would silently turn into 1.0 or crash on: a declared scheme whose checkpoint lacks
-a layer's scale, a zero, negative or non-finite scale, or one of the wrong shape is one :class:`KvevalError` line
-naming the layer and the tensor (and what the engine would have done). A checkpoint without any KV scheme has no
-checkpoint scales (``read_scheme`` gives None): the engine uses 1.0.
+- :mod:`kveval.scales.kv_scheme`: the declared scheme, per producer (:func:`read_scheme` -> :class:`KVScheme`),
+  and the model's shape (:func:`model_shape`);
+- :mod:`kveval.scales.checkpoint_tensors`: the scale tensors as stored in the safetensors shards
+  (:func:`read_scale_tensors`);
+- :mod:`kveval.scales.engine_loading`: how vLLM, SGLang and TensorRT-LLM load them (:func:`engine_scales`: float32
+  ``[layers, H]``), refusing in one line what an engine would silently turn into 1.0 or crash on;
+- :mod:`kveval.scales.compressed_tensors_export`: the compressed-tensors ``quantization_config`` and scale tensors
+  written back (:func:`kv_cache_config`, :func:`fp8_scale`).
 
 :class:`CheckpointScales` is a :class:`kveval.scales.file.ScalesFile` whose ``qparams`` give those scales to a
 symmetric tensor/head spec (the patch code reads it as it reads a scales file); ``scales: DIR`` in a policy names
 such a folder, and ``scales: checkpoint`` the run's own model folder (``kveval.calibration.checks``).
 
-Writing (``kv_cache_config``, ``scale_tensor_names``): a compressed-tensors ``quantization_config`` with
-``kv_cache_scheme`` (built and serialized by compressed-tensors' own ``QuantizationConfig``, ``format: dense``,
-``quantization_status: compressed``, ``config_groups: {}``: what llm-compressor writes for a KV-only scheme and
-what vLLM loads) and the scale tensors' names and shapes.
+Here: :func:`load_checkpoint_scales` (a ``DIR`` or ``DIR#ENGINE`` target -> :class:`CheckpointScales`), and the
+policy side: which policies take a checkpoint's scales by default (:data:`PRESET_ENGINES`,
+:func:`default_engine`), whether they fit (:func:`check_policy`), and the scales target of each policy of a run
+(:func:`checkpoint_targets`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,15 +36,21 @@ import torch
 from kveval.errors import KvevalError
 from kveval.quant import QParams, QuantSpec
 from kveval.quant.formats.base import SCALE_TORCH_DTYPES, store
+from kveval.scales.checkpoint_tensors import SCALE_NAMES, read_scale_tensors
+from kveval.scales.compressed_tensors_export import ScalesOut, fp8_scale, kv_cache_config, scale_tensor_names
+from kveval.scales.engine_loading import ENGINES, check_scale, engine_scales
+from kveval.scales.kv_scheme import (
+    PRODUCERS,
+    STRATEGIES,
+    KVScheme,
+    checkpoint_error,
+    model_shape,
+    read_scheme,
+    text_config,
+)
 
 #: ``scales: checkpoint`` in a policy: the scales of the run's own model folder
 CHECKPOINT_SCALES = "checkpoint"
-PRODUCERS = ("compressed-tensors", "modelopt")
-STRATEGIES = ("tensor", "attn_head")
-#: tensor kind (kveval's) -> the checkpoint's scale name
-SCALE_NAMES = {"key": "k_scale", "value": "v_scale", "query": "q_scale"}
-#: where the engines load checkpoint scales from (``engine_scales``); the presets below name one
-ENGINES = ("vllm", "sglang", "sglang_sm100", "trtllm")
 #: policy presets whose engine loads the checkpoint's KV scales, and the engine's loading rule. A policy made from
 #: one of them without its own ``scales:`` takes the run's model folder's scales by default (when it has some).
 PRESET_ENGINES: dict[str, str] = {
@@ -89,212 +59,6 @@ PRESET_ENGINES: dict[str, str] = {
 }
 #: the KV algorithm a checkpoint's scales are for, by format of the spec that uses them
 _ALGO_OF_FORMAT = {"fp8_e4m3": "FP8", "nvfp4": "NVFP4", "nvfp4_4over6": "NVFP4", "int": "INT8"}
-
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:[A-Za-z_]+\.)?(?:(k|v|q)_proj\.)?(k|v|q|kv)_scale$")
-
-
-def _fail(where: str, what: str) -> KvevalError:
-    return KvevalError(f"checkpoint {where}: {what}")
-
-
-@dataclass(frozen=True)
-class KVScheme:
-    """A checkpoint's declared KV cache quantization: ``producer`` (compressed-tensors or modelopt), ``algo``
-    (``FP8``, ``NVFP4``, ``INT8``), ``strategy`` (``tensor`` or ``attn_head``), where it was declared
-    (``config_file``) and the declaration as written (``declared``: the ``kv_cache_scheme`` dict or the algorithm)."""
-
-    producer: str
-    algo: str
-    strategy: str
-    config_file: str
-    declared: dict | str
-    library: str = ""
-
-    def describe(self) -> str:
-        per = "per head" if self.strategy == "attn_head" else "per tensor"
-        return f"{self.producer} {self.algo} KV scales {per} ({self.config_file})"
-
-
-def _read_json(path: Path, where: str) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _fail(where, f"{path.name} cannot be read as JSON ({type(exc).__name__})") from None
-    if not isinstance(data, dict):
-        raise _fail(where, f"{path.name} is not a JSON object")
-    return data
-
-
-def text_config(config: dict) -> dict:
-    """The language model's part of a ``config.json`` (``text_config`` of a multimodal model, else itself)."""
-    inner = config.get("text_config")
-    return inner if isinstance(inner, dict) and "num_hidden_layers" in inner else config
-
-
-def model_shape(folder: str | Path) -> tuple[int, int, int]:
-    """(layers, kv heads, attention heads) from a model folder's ``config.json``."""
-    where = str(folder)
-    cfg = text_config(_read_json(Path(folder) / "config.json", where))
-    heads = cfg.get("num_attention_heads")
-    kv = cfg.get("num_key_value_heads") or heads
-    layers = cfg.get("num_hidden_layers")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (layers, kv, heads)):
-        raise _fail(where, "config.json has no positive num_hidden_layers / num_attention_heads / "
-                           "num_key_value_heads")
-    return layers, kv, heads
-
-
-def read_scheme(folder: str | Path) -> KVScheme | None:
-    """The KV scheme a model folder declares, or None (no quantization_config, or one without a KV scheme). A
-    declared scheme that vLLM would refuse (not 8-bit float symmetric static per tensor or head, for
-    compressed-tensors) is a KvevalError naming the field."""
-    folder = Path(folder)
-    where = str(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        return None
-    qc = _read_json(cfg_path, where).get("quantization_config")
-    hf_quant = folder / "hf_quant_config.json"
-    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
-        return _compressed_tensors_scheme(qc, where)
-    if (isinstance(qc, dict) and qc.get("quant_method") == "modelopt") or hf_quant.is_file():
-        return _modelopt_scheme(qc if isinstance(qc, dict) else {}, hf_quant, where)
-    return None
-
-
-def _compressed_tensors_scheme(qc: dict, where: str) -> KVScheme | None:
-    """compressed-tensors' own parse of the quantization_config, then vLLM's ``validate_kv_cache_scheme``."""
-    if qc.get("kv_cache_scheme") is None:
-        return None
-    try:
-        import compressed_tensors
-        from compressed_tensors.quantization import QuantizationConfig
-    except ImportError:
-        raise _fail(where, "declares a compressed-tensors kv_cache_scheme; install compressed-tensors to read it "
-                           "(pip install 'compressed-tensors==0.20.1')") from None
-    from pydantic import ValidationError
-
-    try:
-        parsed = QuantizationConfig.model_validate(qc)
-    except (ValidationError, ValueError, TypeError, NotImplementedError) as exc:
-        first = str(exc).strip().splitlines()
-        raise _fail(where, f"config.json quantization_config is not a compressed-tensors config "
-                           f"({first[0][:160] if first else type(exc).__name__})") from None
-    args = parsed.kv_cache_scheme
-    if args is None:
-        return None
-    strategy = str(getattr(args.strategy, "value", args.strategy))
-    kind = str(getattr(args.type, "value", args.type))
-    problems = []
-    if kind != "float" or args.num_bits != 8:
-        problems.append(f"type {kind} num_bits {args.num_bits} (vLLM: only num_bits 8 type float)")
-    if strategy not in STRATEGIES:
-        problems.append(f"strategy {strategy} (vLLM: tensor or attn_head)")
-    if not args.symmetric:
-        problems.append("symmetric: false (vLLM: symmetric only)")
-    if args.dynamic:
-        problems.append(f"dynamic: {args.dynamic} (no static scales to read)")
-    if problems:
-        raise _fail(where, f"kv_cache_scheme {'; '.join(problems)}: vLLM refuses it")
-    declared = qc["kv_cache_scheme"]
-    return KVScheme("compressed-tensors", "FP8", strategy, "config.json", declared if isinstance(declared, dict)
-                    else {}, f"compressed-tensors {compressed_tensors.__version__}")
-
-
-_MODELOPT_ALGOS = ("FP8", "NVFP4", "INT8")
-
-
-def _modelopt_scheme(qc: dict, hf_quant: Path, where: str) -> KVScheme | None:
-    """ModelOpt's KV algorithm from hf_quant_config.json or config.json (per-tensor scales only)."""
-    algo, source = None, "config.json"
-    if hf_quant.is_file():
-        q = _read_json(hf_quant, where).get("quantization")
-        algo, source = (q.get("kv_cache_quant_algo") if isinstance(q, dict) else None), hf_quant.name
-    if algo is None:
-        declared = qc.get("kv_cache_quant_algo", qc.get("kv_cache_scheme"))
-        if isinstance(declared, dict):
-            fp8 = declared.get("num_bits") == 8 and declared.get("type") == "float"
-            algo = "FP8" if fp8 else None
-            if not fp8:
-                raise _fail(where, f"ModelOpt kv_cache_scheme {declared} is not FP8 (vLLM reads it as no KV scheme)")
-        else:
-            algo = declared
-    if algo is None:
-        return None
-    if algo not in _MODELOPT_ALGOS:
-        raise _fail(where, f"ModelOpt kv_cache_quant_algo {algo!r} is none of {', '.join(_MODELOPT_ALGOS)}")
-    return KVScheme("modelopt", str(algo), "tensor", source, str(algo), "modelopt (JSON keys read directly)")
-
-
-def _safetensors_files(folder: Path, where: str) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index, where).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise _fail(where, f"{index.name} has no weight_map")
-        names = sorted({str(v) for v in weight_map.values()})
-        files = [folder / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise _fail(where, f"{index.name} names {missing[0]}, which is not in the folder")
-        return files
-    return sorted(folder.glob("*.safetensors"))
-
-
-def read_scale_tensors(folder: str | Path) -> dict[tuple[int, str], tuple[str, torch.Tensor]]:
-    """``{(layer, kind): (tensor name, tensor)}`` of the KV scales in a folder's safetensors (kind ``key``,
-    ``value``, ``query``; both spellings: ``self_attn.k_scale`` and ModelOpt's ``self_attn.k_proj.k_scale``; a
-    legacy single ``kv_scale`` is read as ``key``, as vLLM remaps it). Only the scale tensors are read."""
-    from safetensors import SafetensorError, safe_open
-
-    folder = Path(folder)
-    where = str(folder)
-    out: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
-    kinds = {"k": "key", "v": "value", "q": "query", "kv": "key"}
-    for path in _safetensors_files(folder, where):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    m = _LAYER_RE.search(name)
-                    if m is None or (m.group(2) and m.group(2) != m.group(3)):
-                        continue
-                    key = (int(m.group(1)), kinds[m.group(3)])
-                    if key in out:
-                        raise _fail(where, f"layer {key[0]} holds two {SCALE_NAMES[key[1]]} tensors "
-                                           f"({out[key][0]} and {name})")
-                    out[key] = (name, f.get_tensor(name))
-        except (SafetensorError, OSError) as exc:
-            first = str(exc).strip().splitlines()
-            raise _fail(where, f"{path.name} cannot be read ({first[0][:160] if first else type(exc).__name__})") \
-                from None
-    return out
-
-
-def check_scale(t: torch.Tensor, name: str, layer: int, want: tuple[tuple[int, ...], ...], where: str,
-                engine_note: str) -> torch.Tensor:
-    """``t`` as float32 after the checks (one of the shapes ``want``, floating point, finite, > 0); a KvevalError
-    naming the layer, the tensor and what the engine does with such a value otherwise."""
-    if not t.is_floating_point():
-        raise _fail(where, f"layer {layer} {name} is {str(t.dtype).removeprefix('torch.')}, not a float scale")
-    if tuple(t.shape) not in want:
-        shapes = " or ".join(str(list(s)) for s in want)
-        raise _fail(where, f"layer {layer} {name} has shape {list(t.shape)}, expected {shapes}")
-    v = t.detach().to(torch.float32)
-    if not bool(torch.isfinite(v).all()):
-        raise _fail(where, f"layer {layer} {name} holds NaN or infinity ({engine_note})")
-    if bool((v == 0).any()):
-        raise _fail(where, f"layer {layer} {name} holds 0 ({engine_note})")
-    if bool((v < 0).any()):
-        raise _fail(where, f"layer {layer} {name} is negative ({engine_note})")
-    return v
-
-
-def _engine_note(engine: str, producer: str) -> str:
-    """What the engine does with a zero, negative or NaN scale (said beside kveval's refusal)."""
-    if engine == "vllm":
-        return ("vLLM's compressed-tensors loader would use it as it is" if producer == "compressed-tensors" else
-                "vLLM stops on a zero or negative k_scale and copies k_scale over such a v_scale")
-    return {"trtllm": "TensorRT-LLM would use it as it is"}.get(engine, "SGLang would use it as it is")
 
 
 @dataclass
@@ -397,51 +161,6 @@ class CheckpointScales:
                 "scheme": self.header.get("scheme"), "digest": self.digest()}
 
 
-def engine_scales(raw: dict[tuple[int, str], tuple[str, torch.Tensor]], scheme: KVScheme, layers: int,
-                  kv_heads: int, heads: int, engine: str, where: str) -> dict[str, torch.Tensor]:
-    """``{"key.scale", "value.scale"[, "query.scale"]}`` float32 ``[layers, H]`` as ``engine`` loads the raw
-    checkpoint tensors (module docstring), after the checks: every layer has a k and a v scale of the scheme's
-    shape, finite and > 0; q scales, where present, are checked too."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}; got {engine!r}")
-    per_head = scheme.strategy == "attn_head"
-    shapes = {"key": ((kv_heads, 1, 1), (kv_heads,)) if per_head else ((1,), ()),
-              "value": ((kv_heads, 1, 1), (kv_heads,)) if per_head else ((1,), ()),
-              "query": ((heads, 1, 1), (heads,), (kv_heads, 1, 1), (kv_heads,)) if per_head else ((1,), ())}
-    stray = sorted({layer for layer, _ in raw if layer >= layers})
-    if stray:
-        raise _fail(where, f"holds KV scales for layer {stray[0]}, the model has {layers} layers (0-{layers - 1})")
-    note = _engine_note(engine, scheme.producer)
-    out: dict[str, list[torch.Tensor]] = {"key": [], "value": [], "query": []}
-    have_q = any(kind == "query" for _, kind in raw)
-    for layer in range(layers):
-        for kind in ("key", "value", "query"):
-            entry = raw.get((layer, kind))
-            if entry is None:
-                if kind == "query" and not have_q:
-                    continue
-                if kind == "value" and (layer, "key") in raw and raw[(layer, "key")][0].endswith(".kv_scale"):
-                    entry = raw[(layer, "key")]  # vLLM duplicates a legacy kv_scale to v
-                else:
-                    name = "self_attn." + ({"compressed-tensors": ""}.get(scheme.producer, f"{kind[0]}_proj.")
-                                           + SCALE_NAMES[kind])
-                    raise _fail(where, f"declares {scheme.describe()} but layer {layer} has no {name} "
-                                       f"({engine} would use 1.0 for it)")
-            name, t = entry
-            v = check_scale(t, name, layer, shapes[kind], where, note).flatten()
-            if kind == "query" and per_head and v.numel() == heads and heads != kv_heads:
-                v = v.view(kv_heads, heads // kv_heads).amax(dim=1)  # vLLM's max over each GQA group
-            out[kind].append(v)
-    if engine == "trtllm" and scheme.algo == "INT8":  # one factor per layer for K and V together, the larger
-        both = [torch.maximum(k, v) for k, v in zip(out["key"], out["value"])]
-        out["key"], out["value"] = both, list(both)
-    if engine == "sglang_sm100" and scheme.algo == "NVFP4":  # load_scales_from_model: x6 unless exactly 1.0
-        for kind in ("key", "value"):
-            out[kind] = [torch.where(v != 1.0, v * 6.0, v) for v in out[kind]]
-    tensors = {f"{kind}.scale": torch.stack(vals) for kind, vals in out.items() if vals}
-    return tensors
-
-
 def split_target(target: str | Path) -> tuple[Path, str]:
     """``DIR`` or ``DIR#ENGINE`` (a policy's ``scales:``) -> (the folder, the engine whose loading applies; vllm by
     default)."""
@@ -470,16 +189,16 @@ def target_of(folder: str | Path, engine: str) -> str:
 
 
 def load_checkpoint_scales(target: str | Path, engine: str | None = None) -> CheckpointScales:
-    """A model folder's KV scales as ``engine`` loads them (module docstring; ``target``: ``DIR`` or
-    ``DIR#ENGINE``), checked; a folder that declares no KV scheme gives the engines' default, 1.0 for every layer
-    (``scheme`` None)."""
+    """A model folder's KV scales as ``engine`` loads them (:mod:`kveval.scales.engine_loading`; ``target``:
+    ``DIR`` or ``DIR#ENGINE``), checked; a folder that declares no KV scheme gives the engines' default, 1.0 for
+    every layer (``scheme`` None)."""
     folder, named = split_target(target)
     engine = engine or named
     where = str(folder)
     if not folder.is_dir():
         raise KvevalError(f"checkpoint '{folder}' is not a model folder")
     if not (folder / "config.json").is_file():
-        raise _fail(where, "has no config.json, so it is not a model folder with KV scales")
+        raise checkpoint_error(where, "has no config.json, so it is not a model folder with KV scales")
     layers, kv_heads, heads = model_shape(folder)
     scheme = read_scheme(folder)
     header: dict = {"format": 1, "method": "checkpoint", "layers": layers, "kv_heads": kv_heads,
@@ -524,54 +243,6 @@ def asks_checkpoint(raw_policy) -> bool:
     """Whether a policy's config form says ``scales: checkpoint`` itself (then a model without KV scales gets the
     engine's 1.0; a preset's default only uses scales that exist)."""
     return isinstance(raw_policy, dict) and raw_policy.get("scales") == CHECKPOINT_SCALES
-
-
-# ------------------------------------------------------------------------------------------------- writing
-def kv_cache_config(strategy: str = "tensor") -> dict:
-    """config.json's ``quantization_config`` for FP8 E4M3 KV scales beside unquantized weights, built and
-    serialized by compressed-tensors (``QuantizationConfig(...).model_dump()``; vLLM needs ``config_groups``
-    present, even empty, to pass its head counts to the attn_head loader)."""
-    if strategy not in STRATEGIES:
-        raise KvevalError(f"KV scale strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
-    try:
-        import compressed_tensors
-        from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
-    except ImportError:
-        raise KvevalError("writing a compressed-tensors checkpoint needs compressed-tensors "
-                          "(pip install 'compressed-tensors==0.20.1')") from None
-    qc = QuantizationConfig(config_groups={}, format="dense", quantization_status="compressed",
-                            kv_cache_scheme=QuantizationArgs(num_bits=8, type="float", symmetric=True,
-                                                             dynamic=False, strategy=strategy))
-    body = qc.model_dump(exclude={"quant_method"})
-    return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors",
-            "sparsity_config": {}, "transform_config": {}, **body}
-
-
-def scale_tensor_names(layer: int, prefix: str = "model.layers") -> dict[str, str]:
-    """kind -> the compressed-tensors tensor name of one layer's scale (``model.layers.N.self_attn.k_scale``)."""
-    return {kind: f"{prefix}.{layer}.self_attn.{SCALE_NAMES[kind]}" for kind in ("key", "value")}
-
-
-def fp8_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """The FP8 E4M3 scale of a range: ``absmax / 448`` in float32 (kveval's calibrated per-tensor/head scale,
-    ``kveval.quant.qparams_from_range`` of the ``fp8_e4m3`` spec; 0 where absmax is 0 is kept as the smallest
-    normal float32, since vLLM divides by it)."""
-    s = absmax.float() / 448.0
-    return torch.where(s > 0, s, torch.tensor(torch.finfo(torch.float32).tiny))
-
-
-@dataclass
-class ScalesOut:
-    """What ``kveval calibrate --export compressed-tensors DIR`` wrote."""
-
-    folder: str
-    strategy: str
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def summary(self) -> str:
-        vals = torch.cat([t.flatten() for t in self.tensors.values()]) if self.tensors else torch.zeros(1)
-        return (f"{self.folder}: compressed-tensors kv_cache_scheme {self.strategy}, {len(self.tensors)} scale "
-                f"tensors ({float(vals.min()):.4g} to {float(vals.max()):.4g})")
 
 
 # ------------------------------------------------------------------------------------------------- policies
@@ -652,3 +323,10 @@ def checkpoint_targets(model_name: str, raw_policies: dict, policies: dict) -> d
         check_policy(cs, policy, name)
         out[name] = (target, cs.source())
     return out
+
+
+__all__ = ["CHECKPOINT_SCALES", "ENGINES", "PRESET_ENGINES", "PRODUCERS", "SCALE_NAMES", "STRATEGIES",
+           "CheckpointScales", "KVScheme", "ScalesOut", "asks_checkpoint", "check_policy", "check_scale",
+           "checkpoint_targets", "default_engine", "engine_scales", "fp8_scale", "has_kv_scheme",
+           "is_checkpoint_target", "kv_cache_config", "load_checkpoint_scales", "model_shape",
+           "read_scale_tensors", "read_scheme", "scale_tensor_names", "split_target", "target_of", "text_config"]

@@ -17,9 +17,9 @@ import pandas as pd
 
 from kveval.errors import KvevalError
 from kveval.fileio import atomic_write_json, atomic_write_text
-from kveval.report import plots, tables
+from kveval.report import load, plots, tables
 from kveval.report.render import Block, to_html, to_markdown
-from kveval.results import BASELINE, PLOTS_DIR, TABLES_DIR, RunResults, load
+from kveval.results import BASELINE, PLOTS_DIR, TABLES_DIR, RunResults
 
 INDEX_FILE = "sweep.json"
 REPORT_MD, REPORT_HTML = "report.md", "report.html"

@@ -7,6 +7,21 @@ and a ``task.py`` (``run(ctx, params) -> metrics`` and optionally ``check(ctx, p
 :class:`kveval.tasks.context.TaskContext`). A single module ``kveval/tasks/<name>.py`` defining all four is a task
 too. Adding a task is adding a folder (or a file): see docs/extending.md.
 
+What the config (:mod:`kveval.config`) asks of a task, from its parameter module alone, all optional:
+
+- ``check_inputs(params, *, allow_code: bool) -> None``, a function of the parameter module: what the parameters
+  name on this machine (files, folders), checked without a model and before anything is written (``kveval
+  validate`` and ``kveval run``, through :func:`kveval.config.check_inputs`, for each entry of that task);
+  ``allow_code`` is the run's ``--allow-code``. It raises a one-line ``KvevalError``; the config puts the config
+  file's name before it. Called through :meth:`_TaskRegistry.check_inputs`; a check that needs the evaluator's
+  module reaches it through :data:`TASKS` when it runs, so that importing the parameters imports no evaluator.
+- ``Params.OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]]`` (default ``{}``): fields left out of the resolved config
+  (``config.resolved.yaml``) while they hold this value, fields added after run folders were written, so that
+  those folders still resume.
+- ``Params.MEASURES_WEIGHT_VARIANTS: ClassVar[bool]`` (default False): the task evaluates every weight variant of
+  ``model.weights``; a config with weight variants refuses a task without it (it would run on the checkpoint's
+  weights alone).
+
 Discovery is lazy: ``TASKS`` lists the names from the folder without importing anything, ``TASKS[name]`` imports
 that one task, and ``task_params()`` imports only the parameter modules (what the config schema needs, so that
 ``kveval validate`` imports no evaluator). A task module keeps heavy imports (transformers, the patching code)
@@ -52,12 +67,24 @@ class _TaskRegistry(Mapping[str, ModuleType]):
     def __len__(self) -> int:
         return len(self._paths)
 
-    def params(self, name: str) -> type:
-        """The ``Params`` class of task ``name``, importing only its parameter module."""
+    def params_module(self, name: str) -> ModuleType:
+        """The parameter module of task ``name`` (``NAME``, ``Params``, optionally ``check_inputs``), importing
+        no evaluator."""
         module = importlib.import_module(self._params[name])
         if getattr(module, "NAME", None) != name or not hasattr(module, "Params"):
             raise TypeError(f"{module.__name__} is not a task's parameter module (NAME == {name!r} and Params)")
-        return module.Params
+        return module
+
+    def params(self, name: str) -> type:
+        """The ``Params`` class of task ``name``, importing only its parameter module."""
+        return self.params_module(name).Params
+
+    def check_inputs(self, name: str, params, *, allow_code: bool) -> None:
+        """Task ``name``'s own input checks of ``params`` (its parameter module's ``check_inputs``, when it has
+        one: see the module docstring); a one-line KvevalError."""
+        check = getattr(self.params_module(name), "check_inputs", None)
+        if check is not None:
+            check(params, allow_code=allow_code)
 
 
 TASKS = _TaskRegistry()

@@ -1,14 +1,16 @@
-"""What a task gets from the run: :class:`TaskContext` (``ctx`` in ``check(ctx, params)`` and ``run(ctx, params)``).
+"""What a task gets from the run, one type per phase: :class:`CheckContext` (``ctx`` in ``check(ctx, params)``,
+before the results folder is opened) and :class:`TaskContext` (``ctx`` in ``run(ctx, params)``: the same, with the
+open folder and the entry's records). No field changes type between the phases.
 
-The run (``kveval.commands.run``) builds it once it has loaded the model; a test or a notebook can build one by
-hand (``TaskContext(cfg=..., model=..., ...)``; a task reads only the fields it needs). What a task may read of
+The run (``kveval.commands.run``) builds the check context once it has loaded the model, and one task context per
+task entry (:meth:`CheckContext.for_entry`). What a task may read of
 the experiment config is :class:`RunSettings`: the config (``kveval.config.ExperimentConfig``) satisfies it, and
 a task never imports the config's schema, which sits above the tasks (the schema is built from their ``Params``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -63,16 +65,16 @@ class RunSettings(Protocol):
     def allow_code(self) -> bool: ...
 
 
-@dataclass
-class TaskContext:
-    """What a task gets: the config, the loaded model and data, the run folder, and a way to report progress.
+@dataclass(kw_only=True)
+class CheckContext:
+    """What a task's ``check(ctx, params)`` gets, before the results folder is opened: the config, the loaded model
+    and data, and a way to report progress.
 
-    ``cfg``: the experiment config (:class:`RunSettings`). ``run``: inside a task's ``run``, the folder as that task
-    entry sees it (:class:`kveval.results.TaskRecords`: ``done_keys``, ``append``, ``records``, ``path``);
-    elsewhere the :class:`kveval.results.RunDir` itself, None before the folder is opened (task checks).
-    ``info``: :func:`kveval.models.model_info` of the model. ``cache``: what tasks keep between entries of one run
-    (the corpus tokens under ``"tokens"``, tokenized haystacks). ``weights``: ``model.weights``'s variants,
-    ``{VARIANT: kveval.weights.apply.PreparedVariant}`` checked against the model (empty: the checkpoint alone).
+    ``cfg``: the experiment config (:class:`RunSettings`). ``info``: :func:`kveval.models.model_info` of the model.
+    ``cache``: what tasks keep between entries of one run (the corpus tokens under ``"tokens"``, tokenized
+    haystacks). ``weights``: ``model.weights``'s variants, ``{VARIANT: kveval.weights.apply.PreparedVariant}``
+    checked against the model (empty: the checkpoint alone). A test or a notebook builds one by hand
+    (``CheckContext(cfg=..., model=..., ...)``; a task reads only the fields it needs).
     """
 
     cfg: RunSettings
@@ -81,24 +83,46 @@ class TaskContext:
     policies: dict[str, KVPolicy]
     info: dict[str, Any]
     progress: Progress
-    run: RunDir | TaskRecords | None = None
     console: Any = None
     cache: dict[str, Any] = field(default_factory=dict)
-    folder: RunDir | None = None
     weights: dict[str, Any] = field(default_factory=dict)
 
     def tokens(self) -> torch.Tensor:
-        """The corpus as token ids ``[n_tokens]`` (loaded once, cached on disk per tokenizer and corpus). Loaded
-        after the run folder is open, they are checked against the tokens its records were computed on."""
+        """The corpus as token ids ``[n_tokens]`` (loaded once, cached on disk per tokenizer and corpus)."""
         if "tokens" not in self.cache:
             from kveval.data import load_tokens
-            from kveval.results.store import tokens_digest
 
             d = self.cfg.data
             self.cache["tokens"] = load_tokens(d.source, self.tokenizer, split=d.split, text_field=d.text_field)
-            if self.folder is not None:
-                self.folder.record_tokens(tokens_digest(self.cache["tokens"]))
+            self._loaded_tokens(self.cache["tokens"])
         return self.cache["tokens"]
 
+    def _loaded_tokens(self, tokens: torch.Tensor) -> None:
+        """Called once when the corpus is first loaded (nothing to record before the folder is open)."""
 
-__all__ = ["DataSettings", "ModelSettings", "RunSettings", "TaskContext"]
+    def for_entry(self, folder: RunDir, records: TaskRecords) -> TaskContext:
+        """The context of one task entry's ``run``, once ``folder`` is open: the same config, model, policies and
+        cache (shared, not copied), with the folder and the entry's view of its records."""
+        shared = {f.name: getattr(self, f.name) for f in fields(CheckContext)}
+        return TaskContext(**shared, folder=folder, run=records)
+
+
+@dataclass(kw_only=True)
+class TaskContext(CheckContext):
+    """What a task's ``run(ctx, params)`` gets: a :class:`CheckContext` with the open results folder.
+
+    ``folder``: the run folder (:class:`kveval.results.RunDir`); ``run``: that folder as this task entry sees it
+    (:class:`kveval.results.TaskRecords`: ``done_keys``, ``append``, ``records``, ``path``). Tokens loaded now are
+    checked against the tokens the folder's records were computed on.
+    """
+
+    folder: RunDir
+    run: TaskRecords
+
+    def _loaded_tokens(self, tokens: torch.Tensor) -> None:
+        from kveval.results.store import tokens_digest
+
+        self.folder.record_tokens(tokens_digest(tokens))
+
+
+__all__ = ["CheckContext", "DataSettings", "ModelSettings", "RunSettings", "TaskContext"]

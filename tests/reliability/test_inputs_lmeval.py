@@ -83,7 +83,7 @@ def test_dataset_remote_code_is_code(h, tmp_path):
 
 
 def test_include_path_that_is_the_whole_disk(h, tmp_path, monkeypatch):
-    import kveval.tasks.lm_eval.task as task
+    import kveval.tasks.lm_eval.include as task  # the include-path check's home
 
     inc = tmp_path / "big"
     inc.mkdir()

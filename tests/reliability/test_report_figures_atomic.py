@@ -19,7 +19,8 @@ from kveval.cli import app
 from kveval.report import report_command
 from kveval.report.plots import save
 from kveval.report.synthetic import write_synthetic_run
-from kveval.report.task_figures import plot_needle, plot_sensitivity
+from kveval.tasks.needle.reporting import plot_needle
+from kveval.tasks.sensitivity.reporting import plot_sensitivity
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PREVIOUS = PNG_MAGIC + b"the previous figure"

@@ -30,6 +30,9 @@ SUBPROCESS_CALLS = {"run", "call", "check_call", "check_output", "Popen", "getou
 ALLOWED: dict[tuple[str, str], str] = {
     ("kveval/tasks/__init__.py", "dynamic_import"):
         "task modules by name from pkgutil's listing of kveval/tasks/ itself; a config can only pick one of them",
+    ("kveval/report/sections.py", "dynamic_import"):
+        "the tasks' reporting plug-ins by name from pkgutil's listing of kveval/tasks/ itself (a package's "
+        "reporting module, found with find_spec); nothing a config or a run folder names",
     ("kveval/report/__init__.py", "dynamic_import"):
         "lazy exports: module names from the constant _EXPORTS table of the package",
     ("kveval/results/__init__.py", "dynamic_import"):

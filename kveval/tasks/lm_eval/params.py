@@ -20,3 +20,11 @@ class Params(Strict):
     include_path: str | None = None
     batch_size: int = Field(1, gt=0, le=4096)
     prefill: Literal["none", "context"] = "none"
+
+
+def check_inputs(params: Params, *, allow_code: bool) -> None:
+    """The config's input check (:mod:`kveval.tasks`' hook): an ``include_path`` that is a folder, holding no code
+    unless ``allow_code`` (:func:`kveval.tasks.lm_eval.include.check_include_path`; no lm-eval import)."""
+    from kveval.tasks.lm_eval.include import check_include_path
+
+    check_include_path(params.include_path, allow_code=allow_code)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 from pydantic import Field, model_serializer, model_validator
 
 from kveval.schema import Strict
@@ -11,6 +13,11 @@ NAME = "perplexity"
 
 class Params(Strict):
     """Perplexity, KL divergence and top-1 agreement against the full-precision model."""
+
+    #: left out of the resolved config at these values (added later: older run folders resume; kveval.tasks)
+    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {"start_token": 0}
+    #: every window is scored under every weight variant x KV policy (the one task that measures model.weights)
+    MEASURES_WEIGHT_VARIANTS: ClassVar[bool] = True
 
     seq_len: int = Field(512, gt=1)
     stride: int | None = Field(None, gt=0)

@@ -21,14 +21,14 @@ Budget syntax (``parse_budget``):
 
 Inputs are checked before any planning (one :class:`KvevalError` line each): ``check_scan`` for a scan's
 ``metrics.json`` (fields missing, of the wrong type, non-finite, layers outside the architecture: a hand-edited or
-foreign file), ``read_plan_file`` for a ``.plan.json`` that a planned config names.
+foreign file). The ``.plan.json`` that ``kveval plan`` writes beside a planned config is read by
+:mod:`kveval.policy.plan_file` (``read_plan_file``, ``plan_predictions``: re-exported here), below the tasks.
 
 Pure: no transformers import.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -41,6 +41,7 @@ import numpy as np
 from kveval.errors import KvevalError
 from kveval.memory import Arch, fp16_bytes, kv_bytes, kv_elements
 from kveval.policy import KVPolicy, policy_names
+from kveval.policy.plan_file import is_finite_number, plan_predictions, read_plan_file  # noqa: F401 (re-exported)
 from kveval.quant import preset
 
 TENSORS = ("key", "value")
@@ -198,10 +199,6 @@ MAX_CONTEXT = 10**8  # tokens: a plan's memory bill at more than this is a typo
 MAX_LAYERS = 4096
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _count(value, least: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
@@ -257,7 +254,7 @@ def check_scan(metrics) -> Arch:
         if c["spec"] not in specs:
             raise KvevalError(f"{where}.spec is {c['spec']!r}, not one of sensitivity.specs {specs}")
         for key in ("kld", "nll_delta"):
-            if not _number(c[key]):
+            if not is_finite_number(c[key]):
                 raise KvevalError(f"{where}.{key} is {c[key]!r}, not a finite number")
     return arch
 
@@ -266,49 +263,6 @@ def scan_table(metrics: dict) -> dict[tuple[int, str, str], dict]:
     """(layer, tensor, spec) -> scan cell, from a scan run's metrics (checked by :func:`check_scan`)."""
     check_scan(metrics)
     return {(c["layer"], c["tensor"], c["spec"]): c for c in metrics["sensitivity"]["cells"]}
-
-
-def read_plan_file(path: str | Path) -> dict:
-    """A ``.plan.json`` (written by ``kveval plan``) as a dict, after checking what a run reads from it: one
-    KvevalError line when it is missing, not JSON, or its predictions are not finite numbers."""
-    from kveval.schema import read_text_file
-
-    p = Path(path)
-    if not p.is_file():
-        what = "is not a file" if p.exists() else "does not exist"
-        raise KvevalError(f"plan: '{path}' {what}; rerun kveval plan, or remove the plan: line")
-    not_plan = f"plan: '{path}' is not a kveval plan file (.plan.json from kveval plan)"
-    try:
-        side = json.loads(read_text_file(p, "plan file", max_bytes=16 << 20))
-    except (ValueError, RecursionError):
-        raise KvevalError(f"{not_plan}: not valid JSON") from None
-    if not isinstance(side, dict):
-        raise KvevalError(f"{not_plan}: not a JSON object")
-    for key in ("predicted_kld_sum", "predicted_delta_ppl_pct"):
-        if not _number(side.get(key)):
-            raise KvevalError(f"{not_plan}: {key} is {side.get(key)!r}, not a finite number")
-    uniform = side.get("uniform", {})
-    if not isinstance(uniform, dict):
-        raise KvevalError(f"{not_plan}: uniform is not an object")
-    for name, u in uniform.items():
-        if not isinstance(u, dict) or not _number(u.get("predicted_kld_sum")):
-            raise KvevalError(f"{not_plan}: uniform.{name}.predicted_kld_sum is not a finite number")
-    for key in ("budget", "scan"):
-        if side.get(key) is not None and not isinstance(side[key], str):
-            raise KvevalError(f"{not_plan}: {key} is {side[key]!r}, not a string")
-    return side
-
-
-def plan_predictions(path: str | Path) -> dict:
-    """What a planned run puts in its metrics (``metrics["plan"]``) for the report's predicted-vs-measured table,
-    from its ``.plan.json`` (:func:`read_plan_file`'s checks): ``{"sidecar", "budget", "scan", "policy": "planned",
-    "predicted": {POLICY: {"kld", "delta_ppl_pct"?}}}``."""
-    side = read_plan_file(path)
-    predicted = {"planned": {"kld": side["predicted_kld_sum"], "delta_ppl_pct": side["predicted_delta_ppl_pct"]}}
-    for name, u in side.get("uniform", {}).items():
-        predicted[name] = {"kld": u["predicted_kld_sum"]}
-    return {"sidecar": str(path), "budget": side.get("budget"), "scan": side.get("scan"), "policy": "planned",
-            "predicted": predicted}
 
 
 def candidate_costs(arch: Arch, specs: list[str], context: int) -> dict[tuple[int, str, str], int]:

@@ -1,0 +1,265 @@
+"""The layer base of the real cache (``QuantizedKVLayer``): what both read paths share.
+
+One attention layer's K/V, ``[batch, kv_heads, seq, head_dim]``: the schedule (which positions each row quantizes
+at a call, ``kveval.patch.cache.schedule``), the flush into quantized storage (``kveval.patch.cache.storage``),
+sliding-window eviction, the byte accounting (``nbytes``), the attention hook of transforms that act on the query
+or the output, and the refusals of what transformers would otherwise do to its own placeholders. How attention
+reads the history, a read buffer assembled at every call or one kept across calls, is a read path's: the
+subclasses of ``kveval.patch.cache.read_paths``.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kveval.errors import KvevalError
+from kveval.patch import attention as attn
+from kveval.patch.cache.buffers import RopeTable
+from kveval.patch.cache.holdings import LayerHoldings
+from kveval.patch.cache.schedule import row_pads
+from kveval.patch.cache.storage import TensorStore
+from kveval.patch.quantizers import TensorQuantizer
+from kveval.patch.rope_capture import rope_for
+from kveval.policy import KVPolicy
+
+
+@dataclass(frozen=True, eq=False)
+class LayerSetup:
+    """What a layer is built from (and rebuilt from by ``reset``): its (key, value) quantizers and the policy;
+    ``window``: the positions a sliding-window layer keeps (None: every one); ``module``: the attention module,
+    whose rotary embedding transforms such as pre_rope need; ``implementation``: the stock attention implementation
+    that ``attend`` wraps (None: no query/output hooks to apply); ``reserve``: positions a growing buffer allocates
+    at the first call (e.g. prompt + new tokens); ``plans``: flush plans, shared by the layers of one cache."""
+
+    key_q: TensorQuantizer
+    value_q: TensorQuantizer
+    policy: KVPolicy
+    window: int | None = None
+    module: torch.nn.Module | None = None
+    implementation: str | None = None
+    reserve: int | None = None
+    plans: dict = field(default_factory=dict)
+
+
+class QuantizedKVLayer(LayerHoldings, DynamicLayer):
+    """One layer's quantized cache (the module docstring). Tensors are ``[batch, kv_heads, seq, head_dim]``.
+
+    Keys and values each have their schedule (``KVPolicy.schedule``: KIVI quantizes keys in blocks and values in a
+    sliding window), read buffer and quantized storage (``TensorStore``); the sink tokens are shared. Positions
+    are stored positions (row ``b``'s real token ``i`` is at ``pads[b] + i``); ``prompt`` is the number of
+    positions the first call stored (row ``b``'s prompt: ``prompt - pads[b]`` real tokens).
+
+    A sliding-window layer (``window``: the model config's ``sliding_window``) forgets, at the end of each call,
+    every position older than the ``window`` newest (``evicted`` of them so far), as
+    ``kveval.memory.token_split`` bills it: sinks, quantized storage and residual are cut at ``n - window``; a
+    per-channel token block keeps its codes and scales until all of its tokens have left. What attention reads is
+    exactly positions ``[evicted, n)``, which the model's sliding mask limits further. The read buffers hold the
+    positions from ``base`` on (``capacity`` of them during a call).
+    """
+
+    #: whether eviction copies what it keeps of a cut piece into tensors of its size (a slice keeps the forgotten
+    #: bytes alive)
+    evict_copies: ClassVar[bool]
+
+    def __init__(self, setup: LayerSetup, left_padding: Sequence[int] | None = None):
+        super().__init__()
+        self.setup = setup
+        self.key_q, self.value_q, self.policy = setup.key_q, setup.value_q, setup.policy
+        self.key_spec, self.value_spec = setup.key_q.spec, setup.value_q.spec
+        self.window, self.is_sliding = setup.window, setup.window is not None
+        self.module, self.implementation = setup.module, setup.implementation
+        self.needs_rope = setup.key_q.needs_rope or setup.value_q.needs_rope
+        self.left_padding = None if left_padding is None else [int(p) for p in left_padding]
+        self.evicted = 0  # positions [0, evicted) are forgotten (sliding-window layers only)
+        self.n_stored = 0
+        self.prompt: int | None = None  # positions stored by the first call
+        self.pads: list[int] = []
+        self.base = 0  # stored position of slot 0 of the read buffers
+        self.capacity = 0
+        self.stores = {kind: TensorStore(kind, q, setup.policy, self.rows_index)
+                       for kind, q in (("key", setup.key_q), ("value", setup.value_q))}
+        self.rope = RopeTable()  # only filled when a transform needs_rope: pre-RoPE keys are read back through it
+
+    # --- the read path's part ------------------------------------------------------------------------------------
+    @abstractmethod
+    def _open_call(self, n_after: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """At the start of a call: the read buffers (``TensorStore.view``, ``raw``) hold positions ``[evicted,
+        n_after)``, the history as attention reads it, with room for the call's new tokens."""
+
+    @abstractmethod
+    def _close_call(self) -> None:
+        """At the end of a call, after eviction: what the read path keeps of the read buffers until the next."""
+
+    @abstractmethod
+    def _capacity_for(self, capacity: int, need: int) -> int:
+        """Positions a growing buffer (the RoPE table) now holding ``capacity`` allocates for ``need``."""
+
+    @abstractmethod
+    def _keeps_read_back(self, defer: bool) -> bool:
+        """Whether a flush keeps the read-back values of what it quantizes (for the read buffer now, or, ``defer``,
+        at the next call); if not, they are read back from the codes when needed."""
+
+    # --- rows ----------------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.pads = row_pads(self.left_padding, key_states.shape[0])
+        self._all_rows = tuple(range(key_states.shape[0]))
+        # transformers reads dtype/device; fresh empty tensors (a view of key_states would keep its storage alive)
+        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
+        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
+        for store, x in ((self.stores["key"], key_states), (self.stores["value"], value_states)):
+            store.shape = (x.shape[1], x.shape[3], x.dtype)
+        self.is_initialized = True
+
+    def rows_index(self, rows: tuple[int, ...]) -> slice | torch.Tensor:
+        """Index of ``rows`` along dim 0: a slice for the whole batch (a view), else a LongTensor."""
+        if rows == self._all_rows:
+            return slice(None)
+        return torch.tensor(rows, device=self.device)
+
+    def _rope_live(self) -> int:
+        """The first position whose (cos, sin) may be read again: the window's first, or the first of a token
+        block still stored (per-channel statistics keep a block while any of its tokens is in the window)."""
+        firsts = [p.start for store in self.stores.values() for p in store.pieces if store.q.needs_rope]
+        return min([self.evicted, *firsts])
+
+    # --- the call ------------------------------------------------------------------------------------------------
+    def attend(self, module, query, key, value, attention_mask, *args, **kwargs):
+        """The attention call while this layer's cache is in use (``kveval.patch.attention.patched_while_passed``,
+        only for layers whose transforms hook the query, the output or the attention itself): the query hooks, the
+        stock attention (or the transforms' own, ``attn.attention_call``) over the keys/values ``update`` returned,
+        then the output hooks. (output, weights) as the stock function."""
+        stock = attn.stock_attention(module, self.implementation or "sdpa")
+        rope = rope_for(module, query.shape[-1], self.key_q, self.value_q)
+        compute = attn.attention_call(stock, self.value_q, rope)
+        # ``update`` returned the newest positions in order, ending at n_stored (older ones may be evicted)
+        positions = torch.arange(self.n_stored - key.shape[-2], self.n_stored, device=key.device)
+        out, weights = compute(module, self.key_q.query(query, rope), key, value, attention_mask, *args,
+                               key_positions=positions, **kwargs)
+        return self.value_q.output(out, rope), weights
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.implementation is not None and getattr(self.module, attn.STATE_ATTR, None) is not self:
+            raise RuntimeError(
+                "kveval: this cache's transforms hook the query and the attention output; pass the cache to the "
+                "model it was built for (model(..., past_key_values=cache) or model.generate), not to a submodule"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n_new = key_states.shape[-2]
+        n0, n1 = self.n_stored, self.n_stored + n_new
+        if self.prompt is None:
+            self.prompt = n1
+            short = [b for b, p in enumerate(self.pads) if p >= n1]
+            if short:
+                raise KvevalError(f"rows {short} of the batch are all padding ({n1} positions); give every row a token")
+        prefill_fp = self.policy.prefill == "fp" and n_new > 1
+        new_rope = rope_for(self.module, key_states.shape[-1], self.key_q, self.value_q) if self.needs_rope else None
+        if new_rope is not None:
+            self.rope.write(n0, n1, new_rope, self._rope_live(), len(self.pads), self._capacity_for)
+        self._open_call(n1, key_states, value_states)
+        base, ev = self.base, self.evicted
+
+        # store the new positions in full precision (as attention reads them; x itself in ``raw`` if that differs)
+        fresh = {store.kind: store.store_new(x, n0, n1, base, new_rope)
+                 for store, x in ((self.stores["key"], key_states), (self.stores["value"], value_states))}
+        self.n_stored = n1
+        out: list[torch.Tensor] = []
+        for store in (self.stores["key"], self.stores["value"]):
+            assert store.view is not None
+            if prefill_fp:  # the new tokens in full precision, after what the cache held before this call
+                read = fresh[store.kind] if n0 == 0 else torch.cat(
+                    [store.view[:, :, ev - base:n0 - base], fresh[store.kind]], dim=-2)
+            else:
+                read = store.view[:, :, ev - base:n1 - base]
+            # the schedule of kveval.policy.masks (Schedule.read_quantized_end), per tensor: sliding mode stores
+            # then reads; the other modes read, then quantize what this call completed (its queries saw it in full
+            # precision): their read-back values reach the read buffer at the next call
+            self._flush(store, n0, defer=store.sched.reads_first)
+            if prefill_fp:
+                read = self._single_token_rows(store, read, n0, n1)
+            out.append(read)
+        self._evict()
+        self._close_call()  # ``out`` keeps what the read path drops alive until attention has read it
+        return out[0], out[1]
+
+    def _single_token_rows(self, store: TensorStore, read: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
+        """With ``prefill: fp``, a multi-token call answers its new tokens in full precision; a row whose part of
+        the call is a single real token (padding before it) answers what the schedule reads instead, as that row
+        decoded alone would (its call brings one token)."""
+        rows = [b for b, p in enumerate(self.pads) if n1 - max(n0, p) == 1]
+        if not rows:
+            return read
+        assert store.view is not None
+        read = read.clone()
+        sched_read = store.view[:, :, self.evicted - self.base:n1 - self.base]  # reads_first: pending not applied
+        index = torch.tensor(rows, device=read.device)
+        read[index] = sched_read[index]
+        return read
+
+    def _flush(self, store: TensorStore, n0: int, defer: bool) -> None:
+        """Quantize the positions that left ``store``'s residual in this call, from ``n0`` to ``n_stored``
+        positions (``TensorStore.flush``), as planned by ``RowPositions.flush_plan``: a plan is shared by the
+        layers of one cache (the same for every layer with this schedule and eviction state)."""
+        if store.q.is_none:  # a tensor kept in full precision: the read buffer already holds it
+            return
+        positions, plans = self.positions(), self.setup.plans
+        plan = plans.get((store.sched, n0, positions))
+        if plan is None:
+            if len(plans) > 256:
+                plans.clear()
+            plan = plans[(store.sched, n0, positions)] = positions.flush_plan(store.sched, n0)
+        store.flush(plan, self.base, self.rope, self._keeps_read_back(defer), defer)
+
+    def _evict(self) -> None:
+        """Forget the positions older than the window's (sliding-window layers; see the class docstring)."""
+        if self.window is None:
+            return
+        lo = self.n_stored - self.window
+        if lo <= self.evicted:
+            return
+        self.evicted = lo
+        for store in self.stores.values():
+            store.evict(lo, copy=self.evict_copies)
+
+    # --- bookkeeping ---------------------------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.n_stored
+
+    # transformers' DynamicLayer would edit its own (empty) ``keys``/``values`` here and leave the stores as they
+    # were: a beam search or an assisted decoding would then go on silently from the wrong history
+    is_croppable = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvevalError("QuantizedKVCache cannot drop stored tokens (assisted or speculative decoding); "
+                          "generate without an assistant model or prompt lookup")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise KvevalError("QuantizedKVCache cannot reorder its rows (beam search); generate with num_beams=1")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.n_stored:
+            raise KvevalError("QuantizedKVCache cannot repeat its rows (beam search, contrastive search); "
+                              "generate with num_beams=1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.n_stored:
+            raise KvevalError("QuantizedKVCache cannot select rows of a filled cache; build a new cache instead")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(key length, position of the first key) that the next call's attention mask covers: everything held
+        plus the ``query_length`` new tokens, from position ``evicted``."""
+        return self.n_stored - self.evicted + query_length, self.evicted
+
+    def get_max_length(self) -> int:
+        return -1 if self.window is None else self.window
+
+    def reset(self) -> None:
+        """Empty the layer: as built from its ``setup``, with the left padding it knows now."""
+        QuantizedKVLayer.__init__(self, self.setup, self.left_padding)
