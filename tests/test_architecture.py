@@ -205,3 +205,26 @@ def test_the_config_imports_no_evaluator():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+#: The size of a unit a contributor must hold in mind: a class, a module (docs/design.md, "Layers").
+MAX_CLASS_LINES, MAX_MODULE_LINES = 250, 600
+
+
+def _sizes() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(lines, module) of every module of kveval/ and (lines, module:Class) of every class, largest first."""
+    modules, classes = [], []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        name = str(path.relative_to(ROOT))
+        modules.append((len(text.splitlines()), name))
+        classes += [(node.end_lineno - node.lineno + 1, f"{name}:{node.name}") for node in ast.walk(ast.parse(text))
+                    if isinstance(node, ast.ClassDef) and node.end_lineno is not None]
+    return sorted(modules, reverse=True), sorted(classes, reverse=True)
+
+
+def test_no_class_or_module_outgrows_its_bound():
+    modules, classes = _sizes()
+    assert [m for m in modules if m[0] > MAX_MODULE_LINES] == []
+    assert [c for c in classes if c[0] > MAX_CLASS_LINES] == []
+    assert classes and classes[0][0] > 100  # the measure sees classes at all
