@@ -1,0 +1,41 @@
+"""The generation task's parameters (light: a config imports this, not the evaluator)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from kveval.schema import Strict
+
+NAME = "generation"
+#: the longest generation a config may ask for (tokens)
+MAX_NEW_TOKENS = 32768
+
+
+class Params(Strict):
+    """The model's own long generations through the quantized cache: divergence from the FP model, KLD along the
+    trajectory, degenerate decoding, accuracy and pass@k."""
+
+    prompts: str = "builtin"  # "builtin" (procedural tasks with checkable answers + corpus continuations) or a JSONL file
+    tasks_per_kind: int = Field(8, gt=0, le=10_000)  # builtin: prompts of each procedural task kind
+    continuations: int = Field(8, ge=0, le=10_000)  # builtin: open-ended corpus continuations (fidelity only)
+    continuation_tokens: int = Field(128, gt=0, le=MAX_NEW_TOKENS)  # builtin: corpus tokens of a continuation prompt
+    max_new_tokens: int = Field(512, gt=0, le=MAX_NEW_TOKENS)
+    samples: int | None = Field(None, gt=0, le=1024)  # seeded samples per prompt beside greedy (None: greedy only)
+    temperature: float = Field(0.7, gt=0, le=10)
+    top_p: float = Field(0.95, gt=0, le=1)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)  # stop strings beside EOS
+    chat_template: bool = True  # the model's chat template when it has one
+    thinking: bool = False  # reasoning models: the template's thinking mode (<think> kept for fidelity, not scored)
+    batch_size: int = Field(8, gt=0, le=4096)
+    kld_bins: int = Field(8, gt=0, le=1000)  # decode-step bins of the KLD curves
+    max_drop: float = Field(5.0, gt=0, le=100)  # accuracy points a policy may lose before it fails
+    examples: int = Field(3, ge=0, le=100)  # worst examples shown side by side in the report
+    plots: bool = True  # the report draws the curves (kveval/tasks/generation/reporting.py), not the task
+
+    @property
+    def seq_len(self) -> int:
+        """The longest context of the run's generations (the memory bill's context): a continuation prompt plus
+        its generation (a JSONL or chat prompt may be longer; the task checks those against the model's)."""
+        return self.continuation_tokens + self.max_new_tokens

@@ -1,0 +1,180 @@
+"""The generation task: the model's own long generations through the real quantized cache.
+
+Once the cache is quantized, every later step attends to lossy keys and values, and the error is not spent once but
+accumulates while the cache grows; text handed to the model (perplexity) does not show it. This task continues
+every prompt with the full-precision (FP) model (transformers' ``DynamicCache``) and with each policy through
+kveval's real quantized cache, one model run in lockstep with two caches (:mod:`kveval.tasks.generation.decode`),
+so that at every decode step both next-token distributions on the same prefix are known:
+
+* ``greedy``, per policy: the policy chooses the tokens, the FP model follows them: the policy's output, its KLD
+  from the FP model along its own trajectory, and (against the baseline's greedy output) the first step where it
+  departs from the FP model's text;
+* ``fp_path``, per policy: the FP model chooses, the policy's cache follows: the KLD along the FP trajectory, so
+  that the report can tell the cache's share of the drift from the changed path's;
+* ``s<j>`` (``samples: k``): k seeded samples per prompt, for the baseline and each policy with the same seeds
+  (common random numbers), for pass@1 averaged over the samples and the unbiased pass@k.
+
+Prompts (:mod:`kveval.tasks.generation.prompts`): the builtin set (procedural tasks with checkable answers the
+builtin model can do, and open-ended corpus continuations) or a JSONL file; a prompt with an answer is scored by its
+checker (:mod:`kveval.tasks.generation.checkers`), a reasoning model's ``<think>`` part kept for the fidelity
+metrics and stripped before the check. The model's chat template wraps a task prompt when it has one
+(``chat_template``); continuations are raw text.
+
+One record per (prompt, policy or baseline, unit) with the generated ids; a resumed run skips recorded units, and
+the metrics come from the records alone (:mod:`kveval.tasks.generation.aggregate`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+from kveval.errors import KvevalError
+from kveval.results.layout import BASELINE
+from kveval.tasks.generation.aggregate import aggregate
+from kveval.tasks.generation.params import NAME, Params
+from kveval.tasks.generation.prompts import Prompt, builtin_prompts, load_jsonl
+
+__all__ = ["NAME", "Params", "aggregate", "check", "run"]
+
+GREEDY, FP_PATH = "greedy", "fp_path"
+
+
+def record_key(prompt_id: str, who: str, unit: str) -> str:
+    """``generation/<prompt>/<policy or baseline>/<greedy | fp_path | s<j>>``."""
+    return f"{NAME}/{prompt_id}/{who}/{unit}"
+
+
+def sample_seed(run_seed: int, prompt_id: str, sample: int) -> int:
+    """The seed of sample ``sample`` of a prompt: the same for the baseline and every policy (so that their
+    samples differ by the cache alone), stable across runs and batches (a hash, not Python's salted ``hash``)."""
+    digest = hashlib.sha256(f"{run_seed}/{prompt_id}/{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def prompt_set(ctx, params: Params) -> list[Prompt]:
+    """The run's prompts: the builtin set (its continuations cut from the run's corpus) or the JSONL file."""
+    if params.prompts != "builtin":
+        return load_jsonl(params.prompts)
+    tokens = ctx.tokens() if params.continuations else None
+    texts = []
+    for i in range(params.continuations):
+        piece = tokens[i * params.continuation_tokens:(i + 1) * params.continuation_tokens]
+        texts.append(ctx.tokenizer.decode(piece.tolist(), skip_special_tokens=True))
+    return builtin_prompts(params.tasks_per_kind, texts, seed=ctx.cfg.seed)
+
+
+def prompt_ids(tokenizer, prompt: Prompt, params: Params) -> list[int]:
+    """A prompt's token ids: a task prompt in the model's chat template (when it has one and ``chat_template``;
+    ``thinking`` switches a reasoning model's thinking mode), a continuation as raw text."""
+    if prompt.kind != "continuation" and params.chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], add_generation_prompt=True,
+                                            tokenize=True, enable_thinking=params.thinking)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding on newer tokenizers
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt.text, add_special_tokens=True)["input_ids"])
+
+
+def check(ctx, params: Params) -> None:
+    """Input errors before anything is written: a prompt file kveval cannot use, a corpus too short for the
+    continuations, prompts plus ``max_new_tokens`` beyond the model's context, thinking without a chat template."""
+    from kveval.models import model_context_limit
+
+    if params.thinking and not params.chat_template:
+        raise KvevalError("tasks: generation.thinking needs chat_template: true (the thinking mode is the chat "
+                          "template's); set chat_template: true or thinking: false")
+    if params.prompts == "builtin" and params.continuations:
+        need, have = params.continuations * params.continuation_tokens, ctx.tokens().numel()
+        if have < need:
+            raise KvevalError(f"tasks: generation: the corpus has {have} tokens, fewer than continuations x "
+                              f"continuation_tokens = {need}; lower them")
+    prompts = prompt_set(ctx, params)
+    if not prompts:
+        raise KvevalError("tasks: generation has no prompts (tasks_per_kind and continuations give none); raise one")
+    limit = model_context_limit(ctx.model)
+    longest = max(prompts, key=lambda p: len(prompt_ids(ctx.tokenizer, p, params)))
+    width = len(prompt_ids(ctx.tokenizer, longest, params))
+    if width + params.max_new_tokens > limit:
+        raise KvevalError(f"tasks: generation: prompt '{longest.id}' ({width} tokens) plus max_new_tokens "
+                          f"{params.max_new_tokens} exceeds the model's context ({limit} tokens); lower "
+                          "max_new_tokens or shorten the prompt")
+
+
+def _stop_test(tokenizer, stops: list[str]) -> Callable[[list[int]], bool] | None:
+    """Whether a row's generated ids now hold one of the stop strings (its decoded tail is read)."""
+    if not stops:
+        return None
+    tail_tokens = max(8, max(len(s) for s in stops) + 4)
+
+    def stopped(tokens: list[int]) -> bool:
+        tail = tokenizer.decode(tokens[-tail_tokens:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    return stopped
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def run(ctx, params: Params) -> dict:
+    """Generate every unit that is not recorded yet, then aggregate every record."""
+    from kveval.tasks._generation import pad_token_id
+    from kveval.tasks.generation.decode import Sampling, lockstep_generate
+
+    model, tokenizer = ctx.model, ctx.tokenizer
+    prompts = prompt_set(ctx, params)
+    ids = {p.id: prompt_ids(tokenizer, p, params) for p in prompts}
+    done = ctx.run.done_keys()
+    eos, pad, stop = _eos_ids(model, tokenizer), pad_token_id(model, tokenizer), _stop_test(tokenizer, params.stop)
+    units: list[tuple[str, str, int | None]] = [(BASELINE, GREEDY, None)]  # (who, unit, sample)
+    for name in ctx.policies:
+        units += [(name, GREEDY, None), (name, FP_PATH, None)]
+    for j in range(params.samples or 0):
+        units += [(who, f"s{j}", j) for who in (BASELINE, *ctx.policies)]
+    todo = [(p, who, unit, j) for who, unit, j in units for p in prompts if record_key(p.id, who, unit) not in done]
+    total = sum(params.max_new_tokens for _ in todo)
+    with ctx.progress.task("generation", total=total, unit="tok") as advance:
+        for who, unit, j in units:
+            pending = sorted((p for p in prompts if record_key(p.id, who, unit) not in done),
+                             key=lambda p: len(ids[p.id]))
+            for first in range(0, len(pending), params.batch_size):
+                batch = pending[first:first + params.batch_size]
+                sampling = None if j is None else Sampling(
+                    temperature=params.temperature, top_p=params.top_p,
+                    seeds=[sample_seed(ctx.cfg.seed, p.id, j) for p in batch])
+                trajectories = lockstep_generate(
+                    model, [ids[p.id] for p in batch], None if who == BASELINE else ctx.policies[who],
+                    driver="fp" if who == BASELINE or unit == FP_PATH else "policy",
+                    max_new_tokens=params.max_new_tokens, eos_ids=eos, pad_id=pad, sampling=sampling, stop=stop,
+                    where=f"generation {unit} of {who}")
+                for p, t in zip(batch, trajectories):
+                    ctx.run.append(_record(tokenizer, params, p, who, unit, t))
+                    advance(params.max_new_tokens, steps=len(t.tokens))
+    return aggregate(ctx.run.records(), prompts, list(ctx.policies), params,
+                     decode=lambda t: tokenizer.decode(t, skip_special_tokens=True))
+
+
+def _record(tokenizer, params: Params, prompt: Prompt, who: str, unit: str, trajectory) -> dict:
+    """One unit's record: the generated ids, how they ended, the KLD per step (FP || policy; zeros for the
+    baseline), and for a prompt with an answer whether the (thinking-stripped) text passes its checker."""
+    from kveval.tasks.generation.checkers import check_answer, strip_thinking
+
+    rec = {"key": record_key(prompt.id, who, unit), "task": NAME, "prompt": prompt.id, "policy": who, "unit": unit,
+           "tokens": list(trajectory.tokens), "ended": trajectory.ended,
+           "kld": [float(v) for v in trajectory.kld]}
+    if unit == FP_PATH:
+        return rec  # the FP model's own tokens (the baseline's greedy record holds them): only the KLD is new
+    text = tokenizer.decode(trajectory.tokens, skip_special_tokens=True)
+    for s in params.stop:
+        text = text.split(s, 1)[0]
+    rec["text"] = text
+    if prompt.answer is not None and prompt.checker is not None:
+        answer_text = strip_thinking(text) if params.thinking else text
+        rec["correct"] = bool(check_answer(answer_text, prompt.answer, prompt.checker))
+    return rec
