@@ -155,7 +155,7 @@ def run(ctx, params: Params) -> dict:
                     where=f"generation {unit} of {who}")
                 for p, t in zip(batch, trajectories):
                     ctx.run.append(_record(tokenizer, params, p, who, unit, t))
-                    advance(params.max_new_tokens, steps=len(t.tokens))
+                    advance(len(t.tokens), steps=params.max_new_tokens)  # the bar: units of work; the rate: tokens
     return aggregate(ctx.run.records(), prompts, list(ctx.policies), params,
                      decode=lambda t: tokenizer.decode(t, skip_special_tokens=True))
 
