@@ -93,8 +93,9 @@ def check(ctx, params: Params) -> None:
     if not prompts:
         raise KvevalError("tasks: generation has no prompts (tasks_per_kind and continuations give none); raise one")
     limit = model_context_limit(ctx.model)
-    longest = max(prompts, key=lambda p: len(prompt_ids(ctx.tokenizer, p, params)))
-    width = len(prompt_ids(ctx.tokenizer, longest, params))
+    widths = {p.id: len(prompt_ids(ctx.tokenizer, p, params)) for p in prompts}  # each prompt tokenized once
+    longest = max(prompts, key=lambda p: widths[p.id])
+    width = widths[longest.id]
     if width + params.max_new_tokens > limit:
         raise KvevalError(f"tasks: generation: prompt '{longest.id}' ({width} tokens) plus max_new_tokens "
                           f"{params.max_new_tokens} exceeds the model's context ({limit} tokens); lower "
