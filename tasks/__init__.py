@@ -6,6 +6,8 @@
 - ``lm_eval/``: local lm-evaluation-harness tasks (``configs/lm_eval.yaml``, ``include_path: tasks/lm_eval``): 32
   multiple-choice facts and 16 short-answer questions as JSONL beside their task YAMLs, loaded by ``utils.py``
   (lm-eval's ``!function``), offline.
+- ``generation/``: example prompt files of the generation task (``prompts: tasks/generation/word_problems.jsonl``:
+  12 word problems answered in ``\\boxed{}``).
 
 The evaluators are Python, in the package ``kveval/tasks/`` (one folder per task; docs/extending.md).
 """

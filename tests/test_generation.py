@@ -90,9 +90,79 @@ def test_bad_parameters_are_one_line_before_anything_is_written(tmp_path, bad, w
     assert not (tmp_path / "run" / "records.jsonl").exists()
 
 
+@pytest.mark.parametrize("line, words", [
+    ('{"prompt": ""}', "empty"),
+    ('{"prompt": "Say hi."}', "none in"),  # samples (PARAMS: 2) on a file without answers
+])
+def test_validate_refuses_a_prompt_file_kveval_cannot_use(tmp_path, line, words):
+    """``kveval validate`` (no model loaded) reads the prompt file as the run would: one line, exit 2."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(line + "\n")
+    path = tmp_path / "gen.yaml"
+    path.write_text(json.dumps(config(tmp_path, prompts=str(prompts))))
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2, result.output
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.output, lines
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_prompt_file_kveval_cannot_use_is_refused_by_the_check(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": ""}\n')
     with pytest.raises(KvevalError):
         run_experiment(validate(config(tmp_path, prompts=str(bad))), quiet=True)
     assert not (tmp_path / "run" / "records.jsonl").exists()
+
+
+def test_the_shipped_prompt_file_loads_from_any_directory(tmp_path, monkeypatch):
+    """``prompts: tasks/generation/word_problems.jsonl`` (configs/generation_reasoning.yaml) names kveval's example
+    file wherever the run starts; each answer passes its checker in the form the prompt asks for."""
+    from kveval.tasks.generation.checkers import check_answer
+    from kveval.tasks.generation.prompts import load_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    prompts = load_jsonl("tasks/generation/word_problems.jsonl")
+    assert len(prompts) == 12 and {p.checker for p in prompts} == {"boxed"}
+    for p in prompts:
+        assert check_answer(f"So the answer is \\boxed{{{p.answer}}}.", p.answer, p.checker)
+        assert not check_answer(f"\\boxed{{{int(p.answer) + 1}}}", p.answer, p.checker)
+    with pytest.raises(KvevalError, match="no/such.jsonl"):
+        load_jsonl("tasks/no/such.jsonl")
+
+
+def test_the_console_table_of_a_run_without_perplexity_names_no_ppl_threshold(finished):
+    """The closing table's verdict and its ΔPPL threshold are perplexity's: a generation-only run shows its own
+    columns, without them."""
+    from rich.console import Console
+
+    from kveval.report.console import summary_table
+
+    tmp, metrics = finished
+    console = Console(record=True, width=200)
+    console.print(summary_table(metrics, validate(config(tmp))))
+    text = console.export_text()
+    assert "gen KLD" in text and "gen acc %" in text
+    assert "ΔPPL" not in text and "verdict" not in text and "PPL" not in text
+
+
+@pytest.mark.parametrize("tokens", [[], "abc", [1, -5], [10 ** 9], [1.5]])
+def test_a_damaged_fp_path_record_is_one_line_and_nothing_is_lost(tmp_path, tokens):
+    """A resumed run reads the baseline's greedy output back to score the policies along it: damaged token ids
+    there are one line naming the record, and the records file is left as it was."""
+    cfg = validate(config(tmp_path))
+    run_experiment(cfg, quiet=True)
+    records = tmp_path / "run" / "records.jsonl"
+    lines = records.read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    keep = [r for r in rows if not (r.get("policy") == "int2_g32" and r.get("unit") == "fp_path")]
+    for r in keep:
+        if r.get("policy") == "baseline" and r.get("unit") == "greedy":
+            r["tokens"] = tokens
+            break
+    records.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    before = records.read_text()
+    with pytest.raises(KvevalError) as info:
+        run_experiment(cfg, quiet=True)
+    assert "\n" not in str(info.value) and "baseline's greedy record" in str(info.value)
+    assert records.read_text() == before

@@ -169,3 +169,68 @@ def test_arguments_are_checked(tiny_llama):
         _run(model, [[5, 6]], None, "fp", 2, sampling=Sampling(1.0, 1.0, [1, 2]))
     with pytest.raises(ValueError, match="top_p"):
         Sampling(1.0, 0.0, [1])
+
+
+@pytest.mark.parametrize("driver", ["policy", "fp"])
+def test_without_kld_only_the_driver_runs_and_its_tokens_are_the_same(tiny_llama64, driver):
+    """``measure_kld=False`` (samples, the baseline): the driver's tokens and log-probs as with both caches, and no
+    KLD; seeded samples too."""
+    model, _ = tiny_llama64
+    prompts = _prompts(model)
+    policy = KVPolicy.from_config(KIVI_SHORT, name="kivi_short")
+    for sampling in (None, Sampling(0.8, 0.9, [1, 2, 3])):
+        both = _run(model, prompts, policy, driver, 12, sampling=sampling, record_logprobs=True)
+        alone = _run(model, prompts, policy, driver, 12, sampling=sampling, record_logprobs=True, measure_kld=False)
+        assert [r.tokens for r in alone] == [r.tokens for r in both]
+        assert all(r.kld == [] for r in alone)
+        if driver == "policy":  # with both caches the kept log-probs are the policy's: the driver's here
+            for a, b in zip(alone, both):
+                torch.testing.assert_close(torch.stack(a.logprobs), torch.stack(b.logprobs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", [KVPolicy.from_config({"spec": "int4_g32", "residual": 3, "sink_tokens": 2},
+                                                         name="sliding_sinks"),
+                                    KVPolicy.from_config(KIVI_SHORT, name="kivi_short"),
+                                    KVPolicy.preset("llamacpp_q4_0")], ids=lambda p: p.name)
+@pytest.mark.parametrize("driver", ["fp", "policy"])
+def test_the_kld_of_one_teacher_forced_pass_is_the_real_caches_while_decoding(tiny_llama64, policy, driver):
+    """The task's KLD along a path (the FP model's greedy output for ``fp_path``, the policy's own for ``greedy``)
+    from ONE teacher-forced pass, FP and emulated, equals at every step the KLD the lockstep loop measures while the
+    real cache decodes that path token by token beside the FP model's cache (float64)."""
+    from kveval.tasks.generation.teacher import path_kld
+
+    model, _ = tiny_llama64
+    prompts = _prompts(model, (12, 7), seed=2)
+    rows = _run(model, prompts, policy, driver, 16)
+    for prompt, row in zip(prompts, rows):
+        got = path_kld(model, prompt, row.tokens, {"p": policy, "fp16": KVPolicy.preset("fp16")})
+        assert max(row.kld) > 1e-6, "the policy must differ from FP, or the comparison proves nothing"
+        assert got["p"] == pytest.approx(row.kld, rel=1e-9, abs=1e-15)
+        assert got["fp16"] == [0.0] * len(row.tokens)  # nothing quantized: the same pass, exactly 0
+
+
+def test_the_fp_path_pass_works_in_chunks(tiny_llama64, monkeypatch):
+    """The log-softmaxes of a long trajectory are formed a chunk at a time: the same numbers as in one piece."""
+    from kveval.tasks.generation import teacher
+
+    model, _ = tiny_llama64
+    prompt, = _prompts(model, (9,), seed=3)
+    tokens = _run(model, [prompt], None, "fp", 20, measure_kld=False)[0].tokens
+    policy = {"p": KVPolicy.preset("int4_g32")}
+    whole = teacher.path_kld(model, prompt, tokens, policy)["p"]
+    monkeypatch.setattr(teacher, "CHUNK", 3)
+    assert teacher.path_kld(model, prompt, tokens, policy)["p"] == whole
+    assert len(whole) == len(tokens) == 20 and all(v > 0 for v in whole[1:])
+
+
+def test_both_read_paths_give_the_same_generation(tiny_llama64):
+    """The lean read path (a transient buffer per step) and the buffered one (a resident buffer) are two ways to
+    read the same stored cache: the same tokens and KLDs (float64), on a policy that flushes while decoding."""
+    model, _ = tiny_llama64
+    prompts = _prompts(model)
+    policy = KVPolicy.from_config(KIVI_SHORT, name="kivi_short")
+    lean = _run(model, prompts, policy, "policy", 14, read="lean")
+    buffered = _run(model, prompts, policy, "policy", 14, read="buffered")
+    assert [r.tokens for r in lean] == [r.tokens for r in buffered]
+    for a, b in zip(lean, buffered):
+        assert a.kld == pytest.approx(b.kld, rel=1e-12, abs=1e-15) and max(a.kld) > 1e-6

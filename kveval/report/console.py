@@ -44,18 +44,19 @@ def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> Renderab
     llama-perplexity's statistics (:func:`llama_table`). ``label``: the task entry the metrics are of, in the
     title (a later entry of a kind already in the config, ``tasks[1] (perplexity)``)."""
     thr = cfg.threshold
-    title = f"{cfg.name}{' ' + label if label else ''}: {metrics['model']}, threshold ΔPPL <= {thr.delta_ppl_pct}%" + (
-        f", KLD <= {thr.kld}" if thr.kld is not None else ""
-    )
-    if any(m.get("delta_ppl_pct_mde") is not None for m in (metrics.get("policies") or {}).values()):
-        title += "; MDE: the smallest ΔPPL % this run detects (alpha 0.05, power 0.8)"
     base = metrics.get(BASELINE, {})
     rows = [(BASELINE, base), *metrics.get("policies", {}).items()]
     has_ppl = any(m.get("ppl") is not None for _, m in rows)
     task_cols = [c for c in summary_columns()  # the tasks' own columns (their reporting plug-ins), when measured
                  if c.console is not None and any(m.get(c.key) is not None for _, m in rows)]
+    judged = has_ppl or not task_cols  # the verdict (and its threshold) is perplexity's
+    title = f"{cfg.name}{' ' + label if label else ''}: {metrics['model']}"
+    if judged:
+        title += f", threshold ΔPPL <= {thr.delta_ppl_pct}%" + (f", KLD <= {thr.kld}" if thr.kld is not None else "")
+    if any(m.get("delta_ppl_pct_mde") is not None for m in (metrics.get("policies") or {}).values()):
+        title += "; MDE: the smallest ΔPPL % this run detects (alpha 0.05, power 0.8)"
     cols = [("bits/elem", lambda m: _fmt(m.get("bits_per_element"), ".2f"))]
-    if has_ppl or not task_cols:
+    if judged:
         cols += [
             ("PPL", lambda m: _fmt(m.get("ppl"), ".4f")),
             ("ΔPPL %", lambda m: _fmt(m.get("delta_ppl_pct"), "+.3f")),
@@ -72,16 +73,17 @@ def summary_table(metrics: dict, cfg: Any, label: str | None = None) -> Renderab
     table.add_column("policy", justify="left", no_wrap=True)
     for name, _ in cols:
         table.add_column(name, justify="right", no_wrap=True)
-    table.add_column("verdict", justify="left", no_wrap=True)
+    if judged:
+        table.add_column("verdict", justify="left", no_wrap=True)
     for name, m in rows:
-        verdict = "" if name == BASELINE else m.get("verdict", "-")
+        verdict = "" if name == BASELINE or not judged else m.get("verdict", "-")
         style = {"pass": "green", "fail": "red"}.get(verdict, "yellow")
         cells = [fn(m) for _, fn in cols]
         if name == BASELINE and has_ppl:
             cells[2:2 + _BLANK] = [""] * _BLANK
         if verdict == "inconclusive" and m.get("more_tokens_to_decide") is not None:
             verdict += f" +{m['more_tokens_to_decide']:,} tok"
-        table.add_row(name, *cells, f"[{style}]{verdict}[/]" if verdict else "")
+        table.add_row(name, *cells, *([f"[{style}]{verdict}[/]" if verdict else ""] if judged else []))
     extra = llama_table(metrics, cfg, label)
     return table if extra is None else Group(table, extra)
 

@@ -35,6 +35,7 @@ import torch
 
 from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
 from kveval.tasks._generation import accepts, left_padded, quantized_by
+from kveval.tasks.generation.teacher import log_probs
 
 #: the drivers: whose logits choose the next token
 DRIVERS = ("policy", "fp")
@@ -95,16 +96,11 @@ def sample_token(scores: torch.Tensor, sampling: Sampling, generator: torch.Gene
     return j if order is None else int(order[j])
 
 
-def _log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """log-softmax in float32 (float64 when the logits are), as float64 for the KLD's sum."""
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return torch.log_softmax(logits.to(dtype), dim=-1).to(torch.float64)
-
-
 def lockstep_generate(model, prompts: Sequence[Sequence[int]], policy, *, driver: str, max_new_tokens: int,
                       eos_ids: set[int], pad_id: int, sampling: Sampling | None = None,
                       stop: Callable[[list[int]], bool] | None = None, read: str = "buffered",
-                      where: str = "a prompt", record_logprobs: bool = False) -> list[Trajectory]:
+                      where: str = "a prompt", record_logprobs: bool = False,
+                      measure_kld: bool = True) -> list[Trajectory]:
     """Generate ``prompts`` (token ids per row, non-empty) as one left-padded batch through the full-precision
     cache and ``policy``'s real quantized cache in lockstep; one :class:`Trajectory` per row, in order.
 
@@ -117,7 +113,9 @@ def lockstep_generate(model, prompts: Sequence[Sequence[int]], policy, *, driver
     (no copy, so that a long generation costs no quadratic copying): it must not change it. ``read``: the
     quantized cache's read path (``"buffered"``, the faster, by default: the same numbers as ``"lean"``).
     ``where``: the unit of work in words, for the non-finite line. ``record_logprobs``: also keep the policy's
-    per-step log-probs.
+    per-step log-probs. ``measure_kld=False``: only the driver's cache runs (one forward call a step, not two: a
+    sample, or the FP model's own output, needs no KLD); ``kld`` stays empty and ``record_logprobs`` keeps the
+    driver's log-probs.
     """
     from transformers import DynamicCache
 
@@ -133,10 +131,12 @@ def lockstep_generate(model, prompts: Sequence[Sequence[int]], policy, *, driver
     ids, mask = left_padded(prompts, pad_id, model.device)
     batch, width = ids.shape
     padding = (width - mask.sum(dim=1)).tolist()
-    fp_cache = DynamicCache(config=model.config)
-    policy_cache = (DynamicCache(config=model.config) if policy is None else
-                    QuantizedKVCache(model, policy, left_padding=padding, max_length=width + max_new_tokens,
-                                     read=read))
+    runs_fp = measure_kld or driver == "fp"
+    runs_policy = measure_kld or driver == "policy"
+    fp_cache = DynamicCache(config=model.config) if runs_fp else None
+    policy_cache = None if not runs_policy else (
+        DynamicCache(config=model.config) if policy is None else
+        QuantizedKVCache(model, policy, left_padding=padding, max_length=width + max_new_tokens, read=read))
     fixed = {"use_cache": True}
     if accepts(model, "logits_to_keep"):
         fixed["logits_to_keep"] = 1
@@ -165,13 +165,20 @@ def lockstep_generate(model, prompts: Sequence[Sequence[int]], policy, *, driver
             alive = [r for r in range(batch) if not ended[r]]
             at = f"{where} (generation step {step})"
             index = torch.tensor(alive, device=model.device)
-            fp_logits = forward(fp_cache, step_ids)
-            check_finite_logits(fp_logits[index], where=at, dtype=model.dtype)
-            policy_logits = forward(policy_cache, step_ids)
-            check_finite_logits(policy_logits[index], where=at, dtype=model.dtype, quantized_by=who)
-            fp_lp, policy_lp = _log_probs(fp_logits), _log_probs(policy_logits)
-            kld = (fp_lp.exp() * (fp_lp - policy_lp)).sum(dim=-1).tolist()
+            fp_logits = policy_logits = None
+            if runs_fp:
+                fp_logits = forward(fp_cache, step_ids)
+                check_finite_logits(fp_logits[index], where=at, dtype=model.dtype)
+            if runs_policy:
+                policy_logits = forward(policy_cache, step_ids)
+                check_finite_logits(policy_logits[index], where=at, dtype=model.dtype, quantized_by=who)
             chooser = policy_logits if driver == "policy" else fp_logits
+            kld, kept_lp = None, None
+            if measure_kld:
+                fp_lp, kept_lp = log_probs(fp_logits), log_probs(policy_logits)
+                kld = (fp_lp.exp() * (fp_lp - kept_lp)).sum(dim=-1).tolist()
+            elif record_logprobs:
+                kept_lp = log_probs(chooser)
             if sampling is None:
                 chosen = chooser.float().argmax(dim=-1).tolist()
             else:
@@ -181,9 +188,10 @@ def lockstep_generate(model, prompts: Sequence[Sequence[int]], policy, *, driver
             for r in alive:
                 row, token = rows[r], int(chosen[r])
                 row.tokens.append(token)
-                row.kld.append(kld[r])
+                if kld is not None:
+                    row.kld.append(kld[r])
                 if record_logprobs:
-                    row.logprobs.append(policy_lp[r].to("cpu", lp_dtype))
+                    row.logprobs.append(kept_lp[r].to("cpu", lp_dtype))
                 if token in eos_ids:
                     row.ended, ended[r] = "eos", True
                 elif stop is not None and stop(row.tokens):

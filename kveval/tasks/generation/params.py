@@ -22,7 +22,7 @@ class Params(Strict):
     continuations: int = Field(8, ge=0, le=10_000)  # builtin: open-ended corpus continuations (fidelity only)
     continuation_tokens: int = Field(128, gt=0, le=MAX_NEW_TOKENS)  # builtin: corpus tokens of a continuation prompt
     max_new_tokens: int = Field(512, gt=0, le=MAX_NEW_TOKENS)
-    samples: int | None = Field(None, gt=0, le=1024)  # seeded samples per prompt beside greedy (None: greedy only)
+    samples: int | None = Field(None, gt=0, le=1024)  # seeded samples per prompt with an answer, for pass@k (None: greedy only)
     temperature: float = Field(0.7, gt=0, le=10)
     top_p: float = Field(0.95, gt=0, le=1)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)  # stop strings beside EOS
@@ -39,3 +39,19 @@ class Params(Strict):
         """The longest context of the run's generations (the memory bill's context): a continuation prompt plus
         its generation (a JSONL or chat prompt may be longer; the task checks those against the model's)."""
         return self.continuation_tokens + self.max_new_tokens
+
+
+def check_inputs(params: Params, *, allow_code: bool) -> None:
+    """The config's input check (:mod:`kveval.tasks`' hook, so that ``kveval validate`` refuses it too): a prompt
+    file kveval cannot use (:func:`kveval.tasks.generation.prompts.load_jsonl`'s one line), and samples asked of
+    a prompt file without answers (the samples serve pass@k). No model is loaded; the model-dependent checks
+    (context length, chat template) are the task's ``check``."""
+    from kveval.errors import KvevalError
+    from kveval.tasks.generation.prompts import load_jsonl
+
+    if params.prompts == "builtin":
+        return
+    prompts = load_jsonl(params.prompts)
+    if params.samples and all(p.answer is None for p in prompts):
+        raise KvevalError(f"tasks: generation.samples draws samples for pass@k on prompts with an answer, and none "
+                          f"in {params.prompts} has one; give answers, or drop samples")

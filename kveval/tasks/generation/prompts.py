@@ -129,6 +129,21 @@ def builtin_prompts(tasks_per_kind: int, continuations: list[str], seed: int) ->
 # ------------------------------------------------------------------------------------------------- JSONL
 
 
+def resolve_prompts_path(path: str) -> str:
+    """A prompt file's path as a config names it: relative to the working directory, and a path under ``tasks/``
+    that is not there from kveval's task definitions wherever kveval is installed (``tasks/generation/``: its
+    example files), like an lm-eval ``include_path``."""
+    from pathlib import Path
+
+    from kveval.task_definitions import DEFINITIONS_DIR
+
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists() or p.parts[:1] != ("tasks",):
+        return str(p)
+    shipped = DEFINITIONS_DIR.joinpath(*p.parts[1:])
+    return str(shipped) if shipped.exists() else str(p)
+
+
 def load_jsonl(path: str) -> list[Prompt]:
     """The prompts of a JSONL file: one JSON object a line, ``{"prompt": str, "answer"?: str | number,
     "checker"?: str, "id"?: str}``; blank lines skipped.
@@ -141,8 +156,9 @@ def load_jsonl(path: str) -> list[Prompt]:
     that is not a string or a finite number (or is blank), a checker without an answer, an unknown checker, a
     ``regex`` answer that does not compile, a ``numeric`` / ``last_number`` / ``gsm8k`` answer that is not a
     number, an id that is not a string of 1-64 characters of ``[A-Za-z0-9_.-]``, a duplicate id, a file without
-    prompts, more than :data:`MAX_LINES` lines."""
+    prompts, more than :data:`MAX_LINES` lines. ``path`` is resolved by :func:`resolve_prompts_path`."""
     where = f"generation prompts file '{path}'"
+    path = resolve_prompts_path(path)
     _check_regular_file(path, where)
     prompts: list[Prompt] = []
     seen: set[str] = set()

@@ -9,10 +9,12 @@ so that at every decode step both next-token distributions on the same prefix ar
 * ``greedy``, per policy: the policy chooses the tokens, the FP model follows them: the policy's output, its KLD
   from the FP model along its own trajectory, and (against the baseline's greedy output) the first step where it
   departs from the FP model's text;
-* ``fp_path``, per policy: the FP model chooses, the policy's cache follows: the KLD along the FP trajectory, so
-  that the report can tell the cache's share of the drift from the changed path's;
-* ``s<j>`` (``samples: k``): k seeded samples per prompt, for the baseline and each policy with the same seeds
-  (common random numbers), for pass@1 averaged over the samples and the unbiased pass@k.
+* ``fp_path``, per policy: the KLD along the FP model's own greedy output (the baseline's), so that the report can
+  tell the cache's share of the drift from the changed path's: one teacher-forced pass per prompt under the
+  emulation, whose logits are those of the policy's cache following the FP model token by token (the emulation
+  contract; :mod:`kveval.tasks.generation.teacher`);
+* ``s<j>`` (``samples: k``): k seeded samples per prompt with an answer, for the baseline and each policy with the
+  same seeds (common random numbers), for pass@1 averaged over the samples and the unbiased pass@k.
 
 Prompts (:mod:`kveval.tasks.generation.prompts`): the builtin set (procedural tasks with checkable answers the
 builtin model can do, and open-ended corpus continuations) or a JSONL file; a prompt with an answer is scored by its
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
 from kveval.tasks.generation.aggregate import aggregate
+from kveval.tasks.generation.decode import Trajectory
 from kveval.tasks.generation.params import NAME, Params
 from kveval.tasks.generation.prompts import Prompt, builtin_prompts, load_jsonl
 
@@ -124,41 +127,105 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def run(ctx, params: Params) -> dict:
-    """Generate every unit that is not recorded yet, then aggregate every record."""
+    """Generate every unit that is not recorded yet, then aggregate every record.
+
+    The tokens come from decoding through one cache a step (the FP model's ``DynamicCache`` for the baseline, the
+    policy's real ``QuantizedKVCache`` for a policy): the baseline's greedy output first (the FP path), then per
+    policy its greedy output, whose KLD along its own path and along the FP path come from one teacher-forced
+    pass per prompt (:mod:`kveval.tasks.generation.teacher`: the emulation contract makes them the distributions
+    the real cache gave while decoding), then the samples of every (prompt with an answer, sample) of the
+    baseline and each policy, batched together."""
+    prompts = prompt_set(ctx, params)
+    ids = {p.id: prompt_ids(ctx.tokenizer, p, params) for p in prompts}
+    done = ctx.run.done_keys()
+    scored = [p for p in prompts if p.answer is not None]  # the samples serve pass@k: prompts with an answer
+    steps: list[tuple[str, list[Row]]] = []  # (who, rows), in order; a row's unit says what is done with it
+    for who in (BASELINE, *ctx.policies):
+        steps.append((who, [(p, GREEDY, None) for p in prompts]))
+        if who != BASELINE:
+            steps.append((who, [(p, FP_PATH, None) for p in prompts]))
+    steps += [(who, [(p, f"s{j}", j) for j in range(params.samples or 0) for p in scored])
+              for who in (BASELINE, *ctx.policies)]
+    steps = [(who, [r for r in rows if _key(r, who) not in done]) for who, rows in steps]
+    todo = sum(len(rows) for _, rows in steps)
+    with ctx.progress.task("generation", total=todo * params.max_new_tokens, unit="tok") as advance:
+        for who, rows in steps:
+            if rows and rows[0][1] == FP_PATH:
+                _score_fp_path(ctx, params, [p for p, _, _ in rows], ids, who, advance)
+            elif rows:
+                _decode_rows(ctx, params, rows, ids, who, advance)
+    return aggregate(ctx.run.records(), prompts, list(ctx.policies), params,
+                     decode=lambda t: ctx.tokenizer.decode(t, skip_special_tokens=True))
+
+
+#: one unit of work: (prompt, unit: "greedy", "fp_path" or "s<j>", sample j or None)
+Row = tuple[Prompt, str, "int | None"]
+
+
+def _key(row: Row, who: str) -> str:
+    return record_key(row[0].id, who, row[1])
+
+
+def _decode_rows(ctx, params: Params, rows: list[Row], ids: dict[str, list[int]], who: str, advance) -> None:
+    """Decode ``rows`` (all greedy or all samples) in batches by prompt length (the least left padding) and record
+    each; a policy's greedy output gets its KLD along its own path (one teacher-forced pass)."""
+    rows = sorted(rows, key=lambda r: len(ids[r[0].id]))
+    for first in range(0, len(rows), params.batch_size):
+        batch = rows[first:first + params.batch_size]
+        for (p, unit, _), t in zip(batch, _decode(ctx, params, batch, ids, who)):
+            if who != BASELINE and unit == GREEDY:
+                t.kld = _path_kld(ctx, ids[p.id], t.tokens, who, "")
+            ctx.run.append(_record(ctx.tokenizer, params, p, who, unit, t))
+            advance(len(t.tokens), steps=params.max_new_tokens)  # the bar: units of work; the rate: tokens
+
+
+def _score_fp_path(ctx, params: Params, prompts: list[Prompt], ids: dict[str, list[int]], who: str,
+                   advance) -> None:
+    """The ``fp_path`` records of policy ``who``: its KLD along the baseline's greedy output of each prompt (one
+    teacher-forced pass; the baseline's records are written first)."""
+    base = {r["prompt"]: r for r in ctx.run.records()
+            if r.get("task") == NAME and r.get("policy") == BASELINE and r.get("unit") == GREEDY}
+    vocab = ctx.model.get_output_embeddings().weight.shape[0]
+    for p in prompts:  # all checked before any is scored
+        tokens = base[p.id].get("tokens")
+        if not (isinstance(tokens, list) and tokens and all(type(t) is int and 0 <= t < vocab for t in tokens)):
+            raise KvevalError(f"records.jsonl: the baseline's greedy record of prompt '{p.id}' holds no valid token "
+                              f"ids (the FP path the policies are scored on); delete the line of key "
+                              f"'{record_key(p.id, BASELINE, GREEDY)}' to generate it again")
+    for p in prompts:
+        tokens = base[p.id]["tokens"]
+        fp = Trajectory(tokens=list(tokens), kld=_path_kld(ctx, ids[p.id], tokens, who, FP_PATH),
+                        ended=base[p.id]["ended"])
+        ctx.run.append(_record(ctx.tokenizer, params, p, who, FP_PATH, fp))
+        advance(len(tokens), steps=params.max_new_tokens)
+
+
+def _decode(ctx, params: Params, batch: list[Row], ids: dict[str, list[int]], who: str):
+    """One batch through one cache (the FP model's for the baseline, the policy's real quantized cache for a
+    policy): greedy rows, or seeded samples (each row's own seed: the same for the baseline and every policy)."""
     from kveval.tasks._generation import pad_token_id
     from kveval.tasks.generation.decode import Sampling, lockstep_generate
 
     model, tokenizer = ctx.model, ctx.tokenizer
-    prompts = prompt_set(ctx, params)
-    ids = {p.id: prompt_ids(tokenizer, p, params) for p in prompts}
-    done = ctx.run.done_keys()
-    eos, pad, stop = _eos_ids(model, tokenizer), pad_token_id(model, tokenizer), _stop_test(tokenizer, params.stop)
-    units: list[tuple[str, str, int | None]] = [(BASELINE, GREEDY, None)]  # (who, unit, sample)
-    for name in ctx.policies:
-        units += [(name, GREEDY, None), (name, FP_PATH, None)]
-    for j in range(params.samples or 0):
-        units += [(who, f"s{j}", j) for who in (BASELINE, *ctx.policies)]
-    todo = [(p, who, unit, j) for who, unit, j in units for p in prompts if record_key(p.id, who, unit) not in done]
-    total = sum(params.max_new_tokens for _ in todo)
-    with ctx.progress.task("generation", total=total, unit="tok") as advance:
-        for who, unit, j in units:
-            pending = sorted((p for p in prompts if record_key(p.id, who, unit) not in done),
-                             key=lambda p: len(ids[p.id]))
-            for first in range(0, len(pending), params.batch_size):
-                batch = pending[first:first + params.batch_size]
-                sampling = None if j is None else Sampling(
-                    temperature=params.temperature, top_p=params.top_p,
-                    seeds=[sample_seed(ctx.cfg.seed, p.id, j) for p in batch])
-                trajectories = lockstep_generate(
-                    model, [ids[p.id] for p in batch], None if who == BASELINE else ctx.policies[who],
-                    driver="fp" if who == BASELINE or unit == FP_PATH else "policy",
-                    max_new_tokens=params.max_new_tokens, eos_ids=eos, pad_id=pad, sampling=sampling, stop=stop,
-                    where=f"generation {unit} of {who}")
-                for p, t in zip(batch, trajectories):
-                    ctx.run.append(_record(tokenizer, params, p, who, unit, t))
-                    advance(len(t.tokens), steps=params.max_new_tokens)  # the bar: units of work; the rate: tokens
-    return aggregate(ctx.run.records(), prompts, list(ctx.policies), params,
-                     decode=lambda t: tokenizer.decode(t, skip_special_tokens=True))
+    samples = [j for _, _, j in batch]
+    if any(j is None for j in samples) and any(j is not None for j in samples):
+        raise ValueError("a batch mixes greedy rows and samples")
+    sampling = None if samples[0] is None else Sampling(
+        temperature=params.temperature, top_p=params.top_p,
+        seeds=[sample_seed(ctx.cfg.seed, p.id, j) for p, _, j in batch])
+    return lockstep_generate(
+        model, [ids[p.id] for p, _, _ in batch], None if who == BASELINE else ctx.policies[who],
+        driver="fp" if who == BASELINE else "policy", max_new_tokens=params.max_new_tokens,
+        eos_ids=_eos_ids(model, tokenizer), pad_id=pad_token_id(model, tokenizer), sampling=sampling,
+        stop=_stop_test(tokenizer, params.stop), where=f"generation of {who}", measure_kld=False)
+
+
+def _path_kld(ctx, prompt_ids: list[int], tokens: list[int], who: str, unit: str) -> list[float]:
+    """The KLD of policy ``who`` at every step of ``tokens`` after the prompt, in one teacher-forced pass."""
+    from kveval.tasks.generation.teacher import path_kld
+
+    where = f"generation {unit + ' ' if unit else ''}of {who}"
+    return path_kld(ctx.model, prompt_ids, tokens, {who: ctx.policies[who]}, where=where)[who]
 
 
 def _record(tokenizer, params: Params, prompt: Prompt, who: str, unit: str, trajectory) -> dict:

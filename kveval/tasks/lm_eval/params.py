@@ -20,6 +20,11 @@ class Params(Strict):
     include_path: str | None = None
     batch_size: int = Field(1, gt=0, le=4096)
     prefill: Literal["none", "context"] = "none"
+    # samples per generation request (lm-eval's task field `repeats`, set on every generation task; None: each
+    # task's own); the task must score every sample (a majority vote, or its own process_results)
+    repeats: int | None = Field(None, gt=0, le=1024)
+    # lm-eval's --gen_kwargs: merged into every generation task's generation_kwargs (e.g. do_sample, temperature)
+    gen_kwargs: dict[str, str | bool | int | float] | None = None
 
 
 def check_inputs(params: Params, *, allow_code: bool) -> None:

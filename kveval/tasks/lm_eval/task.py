@@ -145,6 +145,7 @@ def check_documents(tm, params: Params) -> None:
                           f"{first[:300]})") from None
     for task in _leaf_tasks(tasks):
         config = getattr(task, "config", None)
+        check_repeats(config, params)
         features = set(getattr(task, "features", None) or [])
         fields: dict[str, str] = {}
         for attr in ("doc_to_text", "doc_to_target", "doc_to_choice"):
@@ -174,6 +175,60 @@ def check_documents(tm, params: Params) -> None:
                         f"JSONL source) has {field}: null, which {attr} would render as the text 'None'; fix the "
                         "data (a text field must be a string)"
                     )
+
+
+#: lm-eval's filters that choose among a request's samples: the first in a pipeline decides which it scores
+_SELECTING = ("take_first", "take_first_k", "majority_vote")
+
+
+def scores_first_sample_only(config) -> bool:
+    """Whether every filter pipeline of the task keeps only a request's first sample (its first selecting step is
+    ``take_first``; no filter list means lm-eval's default, ``take_first``): then repeats are never scored."""
+    pipelines = getattr(config, "filter_list", None) or []
+    for pipeline in pipelines:
+        steps = [f.get("function") for f in (pipeline.get("filter") or []) if isinstance(f, dict)]
+        if next((s for s in steps if s in _SELECTING), None) != "take_first":
+            return False
+    return True
+
+
+def check_repeats(config, params: Params) -> None:
+    """``repeats`` asks for several samples per generation request: refused for a task that is not a generation
+    task, one whose filters score the first sample only, or one that decodes greedily (identical samples)."""
+    if not params.repeats or params.repeats == 1:
+        return
+    name = getattr(config, "task", "?")
+    if getattr(config, "output_type", None) != "generate_until":
+        raise KvevalError(f"tasks: lm_eval.repeats: task '{name}' is not a generation task (repeats samples "
+                          "generated answers); drop repeats or the task")
+    if scores_first_sample_only(config):
+        raise KvevalError(f"tasks: lm_eval.repeats: task '{name}' scores only the first sample of each request "
+                          "(its filters take_first), so the other samples would be wasted; use a task that scores "
+                          "them all (a majority_vote filter or its own process_results, e.g. kveval_qa_sampled "
+                          "in tasks/lm_eval)")
+    kwargs = {**(getattr(config, "generation_kwargs", None) or {}), **(params.gen_kwargs or {})}
+    if str(kwargs.get("do_sample", False)).lower() not in ("true", "1"):
+        raise KvevalError(f"tasks: lm_eval.repeats: task '{name}' decodes greedily (do_sample is not true), so "
+                          f"its {params.repeats} samples would be identical; add gen_kwargs: {{do_sample: true, "
+                          "temperature: 0.7}")
+
+
+class _Repeats:
+    """A TaskManager whose loaded tasks draw ``repeats`` samples per request (lm-eval's ``repeats``, set before
+    their requests are built); every other attribute is the manager's."""
+
+    def __init__(self, tm, repeats: int):
+        self._tm, self._repeats = tm, repeats
+
+    def load(self, *args, **kwargs):
+        loaded = self._tm.load(*args, **kwargs)
+        for task in loaded["tasks"].values():
+            if task.get_config("output_type") == "generate_until":
+                task.set_config(key="repeats", value=self._repeats)
+        return loaded
+
+    def __getattr__(self, name):
+        return getattr(self._tm, name)
 
 
 @contextmanager
@@ -221,8 +276,9 @@ def evaluate_one(ctx, params: Params, tm, task: str, policy) -> dict:
         )
         try:
             res = lm_eval.simple_evaluate(
-                model=lm, tasks=[task], num_fewshot=params.num_fewshot, limit=params.limit, task_manager=tm,
-                log_samples=False,
+                model=lm, tasks=[task], num_fewshot=params.num_fewshot, limit=params.limit,
+                task_manager=_Repeats(tm, params.repeats) if params.repeats else tm,
+                gen_kwargs=dict(params.gen_kwargs) if params.gen_kwargs else None, log_samples=False,
             )
         except SecurityError as exc:
             raise KvevalError(f"lm-eval task '{task}': a template reaches into Python ({exc}); refused without "
