@@ -11,16 +11,74 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from kveval.errors import KvevalError
 
+
+class _OneLineErrors(TyperGroup):
+    """kveval's command group: a usage error (an unknown command or option, a missing or malformed argument) is
+    one line on stderr in kveval's own style, ``error: kveval run: No such option: --overwrit (Possible options:
+    --no-overwrite, --overwrite)``, with the nearest command for an unknown one, and exit status 2, instead of
+    Typer's boxed panel."""
+
+    def resolve_command(self, ctx, args):
+        name = args[0] if args else None
+        if name is not None and not name.startswith("-") and self.get_command(ctx, name) is None:
+            from kveval.errors import did_you_mean
+
+            ctx.fail(f"No such command '{name}'{did_you_mean(name, self.list_commands(ctx))} (kveval -h lists them)")
+        return super().resolve_command(ctx, args)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        # Typer ships its own copy of click (typer._click): its exceptions are matched by what they carry, not by
+        # class, so that either copy works
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except Exception as exc:
+            if not standalone_mode:
+                raise
+            if type(exc).__name__ == "Abort":  # Ctrl-C while click was prompting or parsing
+                err_console.print("interrupted")
+                sys.exit(EXIT_INTERRUPTED)
+            if not (hasattr(exc, "format_message") and isinstance(getattr(exc, "exit_code", None), int)):
+                raise
+            where = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "kveval"
+            message = " ".join(exc.format_message().split())
+            if type(exc).__name__ == "NoArgsIsHelpError" or not message:  # the help is printed already
+                sys.exit(exc.exit_code)
+            err_console.print(f"[bold red]error:[/] {where}: {message}", highlight=False, soft_wrap=True)
+            sys.exit(exc.exit_code)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Accuracy evaluation of KV-cache quantization for HuggingFace causal LMs.",
 )
 err_console = Console(stderr=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from kveval import __version__
+
+        print(f"kveval {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True,
+                                          help="Print kveval's version and exit.")] = False,
+):
+    """Accuracy evaluation of KV-cache quantization for HuggingFace causal LMs."""
 
 
 #: Exit status of a command stopped by bad input (a KvevalError line).
@@ -109,6 +167,21 @@ OverrideOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a config value: key.path=value (YAML), repeatable."),
 ]
+OutputOpt = Annotated[
+    Path | None,
+    typer.Option("--output", "-o", help="Results folder (the config's output:, default results/<name>).")]
+
+
+def with_output(overrides: list[str] | None, output: Path | None) -> list[str] | None:
+    """``-o PATH`` as the override ``output=PATH`` (after the ``-s`` ones: it wins), the path quoted as a YAML
+    string so that a folder named ``yes`` or ``123`` stays a name."""
+    if output is None:
+        return overrides
+    import json
+
+    return [*(overrides or []), f"output={json.dumps(str(output))}"]
+
+
 AllowCodeOpt = Annotated[
     bool,
     typer.Option(
@@ -124,6 +197,7 @@ AllowCodeOpt = Annotated[
 def run(
     config: Annotated[Path, typer.Argument(help="Experiment config (YAML).")],
     overrides: OverrideOpt = None,
+    output: OutputOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Replace a results folder that holds a different config.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
     allow_code: AllowCodeOpt = False,
@@ -132,7 +206,7 @@ def run(
     from kveval.commands.run import run_experiment
     from kveval.config import load_config
 
-    cfg = load_config(config, overrides, allow_code=allow_code)
+    cfg = load_config(config, with_output(overrides, output), allow_code=allow_code)
     run_experiment(cfg, overwrite=overwrite, quiet=quiet, config_path=str(config))
 
 
@@ -184,6 +258,7 @@ def calibrate(
 def scan(
     config: Annotated[Path, typer.Argument(help="Config with a sensitivity task (e.g. configs/layer_scan.yaml).")],
     overrides: OverrideOpt = None,
+    output: OutputOpt = None,
     naive: Annotated[bool, typer.Option(help="Recompute every layer for every cell (no prefix reuse), for checking.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace a results folder that holds a different config.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
@@ -194,7 +269,7 @@ def scan(
     from kveval.config import code_allowed
 
     with code_allowed(allow_code):
-        scan_command(str(config), overrides, naive=naive, overwrite=overwrite, quiet=quiet)
+        scan_command(str(config), with_output(overrides, output), naive=naive, overwrite=overwrite, quiet=quiet)
 
 
 @app.command()
@@ -203,15 +278,20 @@ def plan(
     scan_dir: Annotated[Path, typer.Argument(help="Results folder of a scan.")],
     budget: Annotated[str, typer.Option(help="4.5 (bits/element), 35KiB/token, 0.28x or 28% of FP16, or a preset (int4_g64).")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Config to write (default configs/generated/...).")] = None,
-    context: Annotated[int | None, typer.Option(help="Context for the memory bill (default: the scan's seq_len).")] = None,
+    context: Annotated[str | None, typer.Option(
+        help="Context for the memory bill: 4096, 32k (32,768) (default: the scan's seq_len).")] = None,
     allow_fp: Annotated[bool, typer.Option(help="Allow full precision (none) as a per-layer choice.")] = False,
     engine: Annotated[str | None, typer.Option(
         help="Plan only what this engine can run: vllm, llamacpp, sglang, trtllm, transformers.")] = None,
 ):
     """Mixed precision under a memory budget, from a scan: writes a ready-to-run config."""
     from kveval.commands.plan import plan_command
+    from kveval.tasks.sensitivity.engine_names import check_engine_names
+    from kveval.units import parse_count
 
-    plan_command(str(scan_dir), budget, str(out) if out else None, context=context, allow_fp=allow_fp,
+    check_engine_names([engine] if engine else None)
+    plan_command(str(scan_dir), budget, str(out) if out else None,
+                 context=None if context is None else parse_count(context, "--context"), allow_fp=allow_fp,
                  engine=engine)
 
 
@@ -225,6 +305,9 @@ def deploy(
     model: Annotated[str | None, typer.Option(help="The model name to put in the commands.")] = None,
 ):
     """Each policy in each engine's own syntax, or the nearest policies an engine can run with their cost."""
+    from kveval.tasks.sensitivity.engine_names import check_engine_names
+
+    check_engine_names(engine)  # before the heavy imports: a typo is refused at once
     from kveval.commands.deploy import deploy_command
 
     print(deploy_command(str(target), str(run) if run else None, engine, model), end="")
@@ -278,13 +361,14 @@ def parity(
 def validate(
     config: Annotated[Path, typer.Argument(help="Experiment config (YAML).")],
     overrides: OverrideOpt = None,
+    output: OutputOpt = None,
     allow_code: AllowCodeOpt = False,
 ):
     """Check a config without running it: the schema, and what it names on this machine (output folder, corpus
     file, scales and plan files, lm-eval include folder), as kveval run checks them before it starts."""
     from kveval.config import load_config
 
-    cfg = load_config(config, overrides, allow_code=allow_code)
+    cfg = load_config(config, with_output(overrides, output), allow_code=allow_code)
     names = ", ".join(cfg.policies())
     tasks = ", ".join(t.kind for t in cfg.tasks)
     print(f"{config}: ok (model {cfg.model.name}; policies {names}; tasks {tasks}; output {cfg.output_dir()})")
@@ -298,8 +382,8 @@ def memory(
     layers: Annotated[int | None, typer.Option(help="Explicit shape: number of layers.")] = None,
     kv_heads: Annotated[int | None, typer.Option(help="Explicit shape: KV heads per layer.")] = None,
     head_dim: Annotated[int | None, typer.Option(help="Explicit shape: head dimension.")] = None,
-    context: Annotated[int, typer.Option(help="Tokens per sequence.")] = 2048,
-    batch: Annotated[int, typer.Option(help="Sequences.")] = 1,
+    context: Annotated[str, typer.Option(help="Tokens per sequence: 2048, 32k (32,768), 128Ki.")] = "2048",
+    batch: Annotated[str, typer.Option(help="Sequences (1, 64, 1k).")] = "1",
     kv: Annotated[str | None, typer.Option(help="Comma-separated policies (default: a representative set).")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="GPU memory for max batch, e.g. 80GiB.")] = None,
     block_size: Annotated[int, typer.Option(help="Paged-attention block size in tokens.")] = 16,
@@ -307,9 +391,11 @@ def memory(
 ):
     """The exact memory bill of KV policies: codes, scales, full-precision windows, max batch, paged blocks."""
     from kveval.commands.memory import memory_command
+    from kveval.units import parse_count
 
     print(memory_command(
-        model=model, shape=shape, layers=layers, kv_heads=kv_heads, head_dim=head_dim, context=context, batch=batch,
+        model=model, shape=shape, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+        context=parse_count(context, "--context"), batch=parse_count(batch, "--batch"),
         kv=kv, gpu_memory=gpu_memory, block_size=block_size, json_output=json_output,
     ), end="")
 
@@ -329,20 +415,25 @@ def report(
 
 @app.command("ls")
 @user_errors
-def list_things():
-    """List the KV policy presets, quantizer presets, tasks, builtin models and corpora."""
-    from kveval.config import TASK_TYPES
-    from kveval.data import builtin_corpora
-    from kveval.models import builtin_models
-    from kveval.policy.presets import policy_descriptions
-    from kveval.policy.provenance import check_of
-    from kveval.quant import preset, preset_names
-    from kveval.tasks import task_presets
+def list_things(
+    what: Annotated[str | None, typer.Argument(
+        help="Only one list: presets, formats, tasks, models, corpora or shapes.")] = None,
+    grep: Annotated[str | None, typer.Option(help="Only the rows that hold WORD (any case).")] = None,
+):
+    """List the KV policy presets, quantizer presets, tasks, builtin models, corpora and named shapes."""
+    from kveval.commands.ls import LISTS, list_rows
+    from kveval.errors import did_you_mean
 
+    if what is not None and what not in LISTS:
+        raise KvevalError(f"kveval ls {what}: not a list{did_you_mean(what, LISTS)} (one of {', '.join(LISTS)})")
     console = Console()
-
-    def table(title: str, rows: list[tuple[str, ...]]):
-        t = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    shown = 0
+    for name in [what] if what else list(LISTS):
+        rows = [r for r in list_rows(name) if grep is None or grep.lower() in " ".join(r).lower()]
+        if not rows:
+            continue
+        shown += len(rows)
+        t = Table(title=LISTS[name], title_justify="left", show_header=False, box=None, pad_edge=False)
         t.add_column(style="bold cyan", no_wrap=True)
         for _ in range(max(len(r) for r in rows) - 1):
             t.add_column()
@@ -350,20 +441,8 @@ def list_things():
             t.add_row(*row)
         console.print(t)
         console.print()
-
-    def checked(name: str) -> str:
-        check = check_of(name)
-        return "" if check is None else f"checked: {check.kind} ({check.test or 'no test'})"
-
-    table("KV policies (kv: NAME); checked: how a preset named after a system was checked (system: a test runs the "
-          "system here; reference: a test runs a reference written from its source; documented: no test)",
-          [(n, d, checked(n)) for n, d in policy_descriptions().items()])
-    table("Quantizer presets (key:/value:/spec: NAME, also usable as a policy)", [(n, preset(n).describe()) for n in preset_names()])
-    task_rows = [(k, (v.__doc__ or "").strip().splitlines()[0]) for k, v in TASK_TYPES.items()]
-    task_rows += [(name, f"preset: {path.name}") for name, path in task_presets().items()]
-    table("Tasks", task_rows)
-    table("Builtin models (model: NAME)", list(builtin_models().items()))
-    table("Corpora (data: NAME or a .txt/.jsonl/.parquet path)", list(builtin_corpora().items()))
+    if not shown:
+        raise KvevalError(f"kveval ls: nothing{' in ' + what if what else ''} holds '{grep}'")
 
 
 def main():  # pragma: no cover - console entry for python -m kveval

@@ -1,6 +1,8 @@
-"""Sizes in bytes: reading ``80GiB`` and writing ``1.50 GiB`` (a foundation: no kveval import but the error type).
+"""Sizes in bytes and counts: reading ``80GiB`` and ``32k``, writing ``1.50 GiB`` (a foundation: no kveval import
+but the error type).
 
     parse_size("80GiB") == 80 * 2**30        parse_size("24GB") == 24 * 10**9       parse_size(4096) == 4096
+    parse_count("32k") == 32768              parse_count("128Ki") == 131072        parse_count("4096") == 4096
     format_bytes(3 * 2**29) == "1.50 GiB"     format_bytes(256) == "256 B"
 """
 
@@ -49,6 +51,37 @@ def parse_size(text: str | int | float) -> int:
     return n
 
 
+#: token and row counts: ``32k`` is 32,768 (as model cards write contexts: 128k = 131,072), ``1M`` is 2**20
+_COUNT_UNITS = {"": 1, "k": 2**10, "ki": 2**10, "m": 2**20, "mi": 2**20}
+#: the largest count :func:`parse_count` takes (2**40): a bigger context or batch is a typo
+MAX_COUNT = 2**40
+
+
+def parse_count(text: str | int, what: str = "count") -> int:
+    """A positive whole count of tokens or rows: ``"32k"`` and ``"32Ki"`` (32,768), ``"1M"`` (1,048,576),
+    ``"1.5k"`` (1,536), ``"4096"``; case-insensitive. KvevalError (one line, naming ``what``) for anything else: a
+    malformed count, a unit that is not ``k``/``Ki``/``M``/``Mi``, a fraction of a token, zero or below, or more than
+    :data:`MAX_COUNT`."""
+    hint = f"{what}: write a whole number, or one with k/Ki (x1024) or M/Mi (x1048576), e.g. 32k"
+    if isinstance(text, bool):
+        raise KvevalError(f"bad {hint}")
+    if isinstance(text, int):
+        value, unit = float(text), ""
+    else:
+        m = _SIZE_RE.fullmatch(str(text))
+        if not m or m.group(2).lower() not in _COUNT_UNITS:
+            raise KvevalError(f"{what} {text!r} is not a count; {hint}")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    total = value * _COUNT_UNITS[unit]
+    if not math.isfinite(total) or total > MAX_COUNT:
+        raise KvevalError(f"{what} {text!r} is too large (at most {MAX_COUNT:,})")
+    if total != int(total):
+        raise KvevalError(f"{what} {text!r} is not a whole number ({total:g})")
+    if total < 1:
+        raise KvevalError(f"{what} must be at least 1; got {text!r}")
+    return int(total)
+
+
 def format_bytes(n: float) -> str:
     """Binary units: ``format_bytes(3 * 2**29) == '1.50 GiB'``, ``format_bytes(256) == '256 B'``."""
     n = float(n)
@@ -58,4 +91,4 @@ def format_bytes(n: float) -> str:
     return f"{n:g} B"
 
 
-__all__ = ["MAX_SIZE", "format_bytes", "parse_size"]
+__all__ = ["MAX_COUNT", "MAX_SIZE", "format_bytes", "parse_count", "parse_size"]

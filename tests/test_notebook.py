@@ -35,3 +35,20 @@ def test_notebook_runs_headless(tmp_path, monkeypatch):
     assert len(images) >= 6  # quality, bars, positions, memory, layers, needle, sensitivity, bits per layer
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+
+
+def test_a_fresh_clone_opens_the_reference_run(tmp_path, monkeypatch):
+    """Without KVEVAL_RUN and without results/int4_g64 (a fresh clone), the notebook opens the committed
+    results/reference; with a results/int4_g64 it opens that."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    cell = next(c.source for c in nb.cells if c.cell_type == "code" and "KVEVAL_RUN" in c.source)
+    monkeypatch.delenv("KVEVAL_RUN", raising=False)
+    (tmp_path / "results" / "reference").mkdir(parents=True)
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    scope: dict = {}
+    exec(cell, scope)
+    assert Path(scope["RUN"]) == Path("..") / "results" / "reference"
+    (tmp_path / "results" / "int4_g64").mkdir()
+    exec(cell, scope)
+    assert Path(scope["RUN"]) == Path("..") / "results" / "int4_g64"

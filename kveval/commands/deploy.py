@@ -31,6 +31,7 @@ from pathlib import Path
 from kveval.errors import KvevalError
 from kveval.memory import Arch, kv_bytes
 from kveval.policy import KVPolicy
+from kveval.tasks.sensitivity.engine_names import check_engine_names
 from kveval.tasks.sensitivity.engines import ENGINES, Engine, EngineType
 
 #: transforms an engine's own cache applies (a policy with any other transform is not expressible there)
@@ -340,12 +341,8 @@ def deploy(policies: dict[str, KVPolicy], arch: Arch, context: int, model: str, 
            engines: list[str] | None = None, config_hint: str = "CONFIG") -> list[Deployment]:
     """One :class:`Deployment` per (engine, policy)."""
     out = []
+    check_engine_names(engines)
     for key in engines or list(ENGINES):
-        if key not in ENGINES:
-            from kveval.errors import did_you_mean
-
-            raise KvevalError(f"--engine {key}: unknown engine{did_you_mean(key, ENGINES)} (one of "
-                              f"{', '.join(ENGINES)})")
         engine = ENGINES[key]
         for name, policy in policies.items():
             try:

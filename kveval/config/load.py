@@ -230,7 +230,8 @@ def validate(raw: Any, source: str = "config", overrides: list[str] | None = Non
         raw = _normalise(raw)
         cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as exc:
-        raise KvevalError(f"{source}: {schema_error_line(exc, ExperimentConfig)}") from None
+        where = _override_source(exc, parsed, overrides or []) or source
+        raise KvevalError(f"{where}: {schema_error_line(exc, ExperimentConfig)}") from None
     except KvevalError as exc:
         raise KvevalError(f"{source}: {exc}") from None
     except RecursionError:  # a structure nested past Python's stack (only from Python callers: YAML is capped)
@@ -240,6 +241,18 @@ def validate(raw: Any, source: str = "config", overrides: list[str] | None = Non
         raise KvevalError(f"{source}: model.trust_remote_code: true runs Python code from the model's folder or hub "
                           f"repository; configs are pure data: {ALLOW_CODE_HINT}")
     return cfg
+
+
+def _override_source(exc: ValidationError, parsed: list, texts: list[str]) -> str | None:
+    """``-s KEY=VALUE`` when the first schema error lies at or under an override's key (the last such override,
+    which wins), so that a typo on the command line is not blamed on the file; None otherwise."""
+    loc = tuple(p for p in exc.errors()[0]["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    at = _loc_text(loc)
+    for (path, _value), text in reversed(list(zip(parsed, texts))):
+        key = _loc_text(tuple(path))
+        if at == key or at.startswith(key + ".") or at.startswith(key + "["):
+            return f"-s {text}"
+    return None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, *, allow_code: bool | None = None,

@@ -1,0 +1,156 @@
+"""The command line follows the conventions of the tools its users know (issue #43): ``-h`` beside ``--help``,
+``--version``, and ``-o/--output`` on every command that writes a results folder."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+
+import pytest
+from typer.testing import CliRunner
+
+from kveval.cli import app
+
+
+@pytest.mark.parametrize("args", [["-h"], ["run", "-h"], ["memory", "-h"], ["validate", "-h"]])
+def test_short_help(args):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0 and "Usage:" in result.output
+    assert result.output == CliRunner().invoke(app, [*args[:-1], "--help"]).output
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag):
+    result = CliRunner().invoke(app, [flag])
+    assert result.exit_code == 0 and result.output.strip() == f"kveval {version('kveval')}"
+
+
+def test_no_arguments_still_print_the_help():
+    result = CliRunner().invoke(app, [])
+    assert "Usage:" in result.output and "run" in result.output
+
+
+@pytest.mark.parametrize("name", ["elsewhere", "yes", "123", "a b"])
+def test_output_option_sets_the_results_folder(tmp_path, monkeypatch, name):
+    """``-o`` is ``-s output=...`` with the path kept a name (``yes`` and ``123`` are not YAML's bool and int), and
+    it wins over an ``-s output=`` before it."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"name": "c", "model": "builtin:tiny-llama", "kv": ["int8"], "tasks": ["ppl_quick"]}))
+    for args in (["-o", name], ["--output", name], ["-s", "output=other", "-o", name]):
+        result = CliRunner().invoke(app, ["validate", str(config), *args])
+        assert result.exit_code == 0, result.output
+        assert result.output.rstrip().endswith(f"output {name})"), result.output
+
+
+def test_run_and_scan_take_the_output_option():
+    for command in ("run", "scan", "validate"):
+        assert "--output" in CliRunner().invoke(app, [command, "--help"]).output
+
+
+def test_deploy_refuses_an_unknown_engine_before_importing_torch():
+    """``kveval deploy --engine vlm`` is one line with a suggestion, before anything heavy is imported (it took
+    8.8 s when the check came after loading the target; 0.23 s now, measured in the note of issue #43)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from typer.testing import CliRunner; from kveval.cli import app; "
+            "r = CliRunner().invoke(app, ['deploy', 'configs/int4_g64.yaml', '--engine', 'vlm']); "
+            "print(r.exit_code, 'torch' in sys.modules); print(r.stderr.strip())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1])).stdout.splitlines()
+    assert out[0] == "2 False", out
+    assert out[1].startswith("error: --engine vlm: unknown engine; did you mean 'vllm'?") and len(out) == 2
+
+
+def test_the_light_engine_names_are_the_engines():
+    from kveval.tasks.sensitivity.engine_names import ENGINE_NAMES
+    from kveval.tasks.sensitivity.engines import ENGINES
+
+    assert tuple(ENGINES) == ENGINE_NAMES
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.nme=x", "error: -s model.nme=x: model.nme: unknown key; did you mean 'name'?"),
+    ("tasks.0.perplexity.seq_lenn=3", "error: -s tasks.0.perplexity.seq_lenn=3: tasks[0].perplexity.seq_lenn: "
+                                      "unknown key; did you mean 'seq_len'?"),
+    ("seed=abc", "error: -s seed=abc: seed: Input should be a valid integer"),
+])
+def test_a_typo_in_an_override_names_the_override_not_the_file(tmp_path, override, words):
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"name": "c", "model": "builtin:tiny-llama", "kv": ["int8"], "tasks": ["ppl_quick"]}))
+    result = CliRunner().invoke(app, ["validate", str(config), "-s", override])
+    assert result.exit_code == 2 and result.stderr.strip().startswith(words), result.stderr
+    config.write_text(json.dumps({"name": "c", "model": "builtin:tiny-llama", "kv": ["int8"], "tasks": ["ppl_quick"],
+                                  "seedd": 1}))  # the file's own typo still names the file
+    result = CliRunner().invoke(app, ["validate", str(config), "-s", "seed=1"])
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {config}: seedd: unknown key")
+
+
+@pytest.mark.parametrize("text, want", [("4096", 4096), (4096, 4096), ("32k", 32768), ("32K", 32768),
+                                        ("128Ki", 131072), ("1M", 2**20), ("1mi", 2**20), ("1.5k", 1536),
+                                        (" 8 k ", 8192)])
+def test_counts_by_hand(text, want):
+    from kveval.units import parse_count
+
+    assert parse_count(text) == want
+
+
+@pytest.mark.parametrize("text, words", [("32x", "is not a count"), ("1.5", "not a whole number"),
+                                         ("0", "at least 1"), ("-4", "is not a count"), ("1e30", "too large"),
+                                         ("32GB", "is not a count"), (True, "bad")])
+def test_bad_counts_are_one_line(text, words):
+    from kveval.errors import KvevalError
+    from kveval.units import parse_count
+
+    with pytest.raises(KvevalError, match=words):
+        parse_count(text, "--context")
+
+
+def test_memory_takes_counts_with_units():
+    base = ["memory", "--shape", "llama-7b-gqa4", "--kv", "int4_g64"]
+    with_unit = CliRunner().invoke(app, [*base, "--context", "32k", "--batch", "1k"])
+    exact = CliRunner().invoke(app, [*base, "--context", "32768", "--batch", "1024"])
+    assert with_unit.exit_code == 0 and with_unit.output == exact.output and "32,768" in exact.output
+    bad = CliRunner().invoke(app, [*base, "--context", "32x"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: --context '32x' is not a count")
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, line", [
+    (["presets"], "error: kveval: No such command 'presets' (kveval -h lists them)"),
+    (["valdate", "x.yaml"], "error: kveval: No such command 'valdate'; did you mean 'validate'? (kveval -h lists them)"),
+    (["run", "configs/int4_g64.yaml", "--overwrit"],
+     "error: kveval run: No such option: --overwrit (Possible options: --no-overwrite, --overwrite)"),
+    (["run"], "error: kveval run: Missing argument 'config'."),
+    (["memory", "--contxt", "3"], "error: kveval memory: No such option: --contxt (Possible options: --context)"),
+])
+def test_usage_errors_are_one_line_in_kveval_style(args, line):
+    """Unknown commands and options, missing arguments: one line on stderr (no boxed panel), the nearest name,
+    exit status 2."""
+    result = CliRunner().invoke(app, args, prog_name="kveval")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == line, result.stderr
+
+
+def test_ls_lists_one_kind_and_filters():
+    runner = CliRunner()
+    everything = runner.invoke(app, ["ls"], env={"COLUMNS": "300"})
+    shapes = runner.invoke(app, ["ls", "shapes"], env={"COLUMNS": "300"})
+    assert everything.exit_code == 0 and shapes.exit_code == 0
+    assert "Named shapes" in everything.output and "KV policy presets" in everything.output
+    assert "llama-7b-gqa4" in shapes.output and "KV policy presets" not in shapes.output
+    qwen = runner.invoke(app, ["ls", "shapes", "--grep", "QWEN"], env={"COLUMNS": "300"})
+    rows = [line.split()[0] for line in qwen.output.splitlines()[1:] if line.strip() and not line.startswith(" ")]
+    assert rows and all("qwen" in r for r in rows) and "llama-7b-gqa4" not in qwen.output
+    kivi = runner.invoke(app, ["ls", "--grep", "kivi"], env={"COLUMNS": "300"})
+    assert "kivi2" in kivi.output and "Named shapes" not in kivi.output  # a list with no match is left out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["ls", "shape"], "error: kveval ls shape: not a list; did you mean 'shapes'?"),
+    (["ls", "models", "--grep", "zzz"], "error: kveval ls: nothing in models holds 'zzz'"),
+])
+def test_ls_refusals_are_one_line(args, words):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and result.stderr.strip().startswith(words), result.stderr
