@@ -68,17 +68,18 @@ def parse_count(text: str | int, what: str = "count") -> int:
     if isinstance(text, int):
         value, unit = float(text), ""
     else:
-        m = _SIZE_RE.fullmatch(str(text))
+        m = _SIZE_RE.fullmatch(str(text).removeprefix("-"))
         if not m or m.group(2).lower() not in _COUNT_UNITS:
-            raise KvevalError(f"{what} {text!r} is not a count; {hint}")
-        value, unit = float(m.group(1)), m.group(2).lower()
+            raise KvevalError(f"{what} {text} is not a count; {hint}")
+        sign = -1.0 if str(text).startswith("-") else 1.0
+        value, unit = sign * float(m.group(1)), m.group(2).lower()
     total = value * _COUNT_UNITS[unit]
     if not math.isfinite(total) or total > MAX_COUNT:
-        raise KvevalError(f"{what} {text!r} is too large (at most {MAX_COUNT:,})")
-    if total != int(total):
-        raise KvevalError(f"{what} {text!r} is not a whole number ({total:g})")
+        raise KvevalError(f"{what} {text} is too large (at most {MAX_COUNT:,})")
     if total < 1:
-        raise KvevalError(f"{what} must be at least 1; got {text!r}")
+        raise KvevalError(f"{what} {text}: must be at least 1")
+    if total != int(total):
+        raise KvevalError(f"{what} {text} is not a whole number ({total:g})")
     return int(total)
 
 

@@ -9,7 +9,7 @@ Three kinds, in decreasing strength:
 - ``documented``: the preset follows the system's documentation and flags; no test compares it with the system.
 
 ``depth`` says how far the check goes (model, layers, tokens, tolerance). ``kveval ls``, the report's verdict
-table and docs/engines.md show the kind; the README's wording follows this table.
+table and docs/engines.md show the kind; the README's and docs/engines.md's wording follows this table.
 """
 
 from __future__ import annotations

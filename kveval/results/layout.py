@@ -3,7 +3,7 @@
 ``store`` writes these files while a run works, ``read`` loads them afterwards; reports, notebooks and ``kveval
 plan`` read them only through :mod:`kveval.results`. Standard library only (task modules import this at start-up).
 
-Schema (docs/design.md section 4; the README's "Results" section lists every field of ``metrics.json``):
+Schema (docs/design.md section 4; docs/results.md lists every field of ``metrics.json``):
 
 * ``config.resolved.yaml`` (:data:`CONFIG_FILE`): the experiment config after defaults and overrides, every policy
   expanded to its full form (``kv.policies.NAME``), ``tasks`` as ``[{KIND: {param: value}}]``. A rerun whose
@@ -33,7 +33,7 @@ Schema (docs/design.md section 4; the README's "Results" section lists every fie
   variant (``weights.variants.VARIANT``): ``info`` (spec, module groups, matrices, ``params_quantized``, stored
   bytes), ``alone`` (the weight effect, the fields of a policy) and per policy the combined effect with the
   interaction fields (``kv_*``, ``weights_*``, ``*_sum``, ``*_excess`` and ``*_excess_ci95``, ``*_interaction``,
-  ``*_worse_than_sum``, ``kv_on_weights_*``; README "Results"); their records carry ``weights: VARIANT`` and the
+  ``*_worse_than_sum``, ``kv_on_weights_*``; docs/results.md); their records carry ``weights: VARIANT`` and the
   key ``perplexity/w{i}/weights/{VARIANT}/{policy}``. Renaming a
   field is a breaking change. The first task entry of each kind reports at the top level; a later entry of the
   same kind (two perplexity tasks with different windows) reports its own fields under ``tasks`` (its label,
