@@ -321,14 +321,16 @@ def deploy(
 def lm_eval(
     ctx: typer.Context,
     kv: Annotated[str, typer.Option(help="KV policy: a preset name or a policy file (.yaml/.json).")] = "fp16",
-    model: Annotated[str, typer.Option(help="Model, as in configs.")] = "builtin:smollm2-135m",
+    pretrained: Annotated[str, typer.Option(
+        help="The checkpoint, as in configs (lm-eval's model_args pretrained=; lm-eval's --model is kveval's "
+             "backend).")] = "builtin:smollm2-135m",
     dtype: Annotated[str, typer.Option(help="float32, float64, bfloat16 or float16.")] = "float32",
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
 ):
     """Run lm-evaluation-harness with a KV policy: kveval lm-eval --kv int4_g64 -- --tasks ... --limit ..."""
     from kveval.commands.lm_eval import lm_eval_command
 
-    raise typer.Exit(lm_eval_command(kv, model, dtype, device, list(ctx.args)))
+    raise typer.Exit(lm_eval_command(kv, pretrained, dtype, device, list(ctx.args)))
 
 
 @app.command()

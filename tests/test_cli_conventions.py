@@ -154,3 +154,16 @@ def test_ls_lists_one_kind_and_filters():
 def test_ls_refusals_are_one_line(args, words):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and result.stderr.strip().startswith(words), result.stderr
+
+
+@pytest.mark.parametrize("args", [["lm-eval", "--model", "hf"], ["lm-eval", "--kv", "int8", "--", "--model", "vllm"]])
+def test_lm_eval_speaks_lm_evals_model_flag(args):
+    """lm-eval's ``--model`` is the backend: kveval lm-eval runs its own and says so, naming ``--pretrained`` for
+    the checkpoint, in one line."""
+    pytest.importorskip("lm_eval")
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "lm-eval's --model names the backend" in lines[0]
+    assert "--pretrained ORG/MODEL" in lines[0]
+    assert "--pretrained" in CliRunner().invoke(app, ["lm-eval", "-h"]).output

@@ -157,11 +157,13 @@ class LocalOnlyTaskManager(TaskManager):
 
 def test_cli_forwarder(tmp_path, monkeypatch):
     monkeypatch.setattr("lm_eval.tasks.TaskManager", LocalOnlyTaskManager)  # skip indexing lm-eval's builtin tasks
-    with pytest.raises(KvevalError, match="sets lm-eval's --model"):
-        lm_eval_command("int8", "builtin:tiny-llama", "float32", "cpu", ["--model", "hf"])
-    rc = lm_eval_command(
+    for backend in (["--model", "hf"], ["--model=vllm"], ["-M", "hf"]):
+        with pytest.raises(KvevalError, match="lm-eval's --model names the backend.*--pretrained ORG/MODEL"):
+            lm_eval_command("int8", "builtin:tiny-llama", "float32", "cpu", backend)
+    rc = lm_eval_command(  # lm-eval's own spelling of kveval's backend is accepted
         "int2_g32", "builtin:tiny-llama", "float32", "cpu",
-        ["--tasks", MC, "--include_path", str(TASKS_DIR), "--limit", "3", "--output_path", str(tmp_path / "out")],
+        ["--model", "kveval", "--tasks", MC, "--include_path", str(TASKS_DIR), "--limit", "3",
+         "--output_path", str(tmp_path / "out")],
     )
     assert rc == 0
     (result,) = tmp_path.glob("out/**/results_*.json")

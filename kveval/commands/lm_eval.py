@@ -10,15 +10,15 @@ def lm_eval_command(kv: str, model: str, dtype: str, device: str, lm_eval_args: 
     """``kveval lm-eval --kv int4_g64 -- --tasks ... --limit ...``: run lm-eval's own command line with
     ``--model kveval --model_args model=MODEL,kv=KV,dtype=DTYPE`` (and ``--device DEVICE`` unless given).
 
-    ``lm_eval_args`` are lm-eval's ``run`` arguments; ``--model`` among them is an error, ``--model_args`` among
-    them are merged after kveval's (e.g. ``--model_args prefill=context batch_size=4``). Returns the exit status.
+    ``lm_eval_args`` are lm-eval's ``run`` arguments, in lm-eval's own spelling; its ``--model`` (the backend) may
+    only be ``kveval`` (the backend that puts the policy in the cache; any other is refused, naming ``--pretrained``
+    for the checkpoint), ``--model_args`` are merged after kveval's (e.g. ``--model_args prefill=context
+    batch_size=4``). Returns the exit status.
     """
     args = list(lm_eval_args)
     if args and args[0] == "run":
         args = args[1:]
-    for a in args:
-        if a in ("--model", "-M") or a.startswith("--model="):
-            raise KvevalError("kveval lm-eval sets lm-eval's --model (kveval); pass the model with --model")
+    args = _without_kveval_backend(args)
     argv = ["run", "--model", "kveval", "--model_args", model_args_string(model, kv, dtype)]
     if not any(a == "--device" or a.startswith("--device=") for a in args):
         argv += ["--device", device]
@@ -40,3 +40,22 @@ def lm_eval_command(kv: str, model: str, dtype: str, device: str, lm_eval_args: 
     finally:
         sys.stdout.flush()
     return 0
+
+
+def _without_kveval_backend(args: list[str]) -> list[str]:
+    """lm-eval's arguments without a ``--model kveval`` (kveval sets it); any other backend is one line: lm-eval's
+    ``--model`` names the backend (``hf``, ``vllm``...), and kveval's is the one that quantizes the cache."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--model", "-M") or a.startswith("--model="):
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            if value != "kveval":
+                raise KvevalError(f"kveval lm-eval: lm-eval's --model names the backend, and kveval lm-eval runs "
+                                  f"its own (--model kveval, which puts the KV policy in the cache), not "
+                                  f"'{value}'; name the checkpoint with kveval lm-eval --pretrained ORG/MODEL")
+            i += 1 if "=" in a else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
