@@ -150,7 +150,7 @@ def test_unknown_task_through_kveval_lm_eval(h, monkeypatch):
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr("lm_eval.tasks.TaskManager", LocalOnly)
-    result = h.invoke("lm-eval", "--kv", "int8", "--model", "builtin:tiny-llama", "--", "--tasks",
+    result = h.invoke("lm-eval", "--kv", "int8", "--pretrained", "builtin:tiny-llama", "--", "--tasks",
                       "no_such_task_xyz", "--limit", "1")
     h.assert_user_error(result, "no_such_task_xyz")
 
