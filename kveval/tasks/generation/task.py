@@ -131,29 +131,28 @@ def run(ctx, params: Params) -> dict:
 
     The tokens come from decoding through one cache a step (the FP model's ``DynamicCache`` for the baseline, the
     policy's real ``QuantizedKVCache`` for a policy): the baseline's greedy output first (the FP path), then per
-    policy its greedy output, whose KLD along its own path and along the FP path come from one teacher-forced
-    pass per prompt (:mod:`kveval.tasks.generation.teacher`: the emulation contract makes them the distributions
-    the real cache gave while decoding), then the samples of every (prompt with an answer, sample) of the
-    baseline and each policy, batched together."""
+    policy its greedy output with its KLD along its own path, then every policy's KLD along the FP path, both from
+    teacher-forced passes (:mod:`kveval.tasks.generation.teacher`: the emulation contract makes them the
+    distributions the real cache gave while decoding; the FP pass over the FP path is shared by the policies),
+    then the samples of every (prompt with an answer, sample) of the baseline and each policy, batched
+    together."""
     prompts = prompt_set(ctx, params)
     ids = {p.id: prompt_ids(ctx.tokenizer, p, params) for p in prompts}
     done = ctx.run.done_keys()
     scored = [p for p in prompts if p.answer is not None]  # the samples serve pass@k: prompts with an answer
-    steps: list[tuple[str, list[Row]]] = []  # (who, rows), in order; a row's unit says what is done with it
-    for who in (BASELINE, *ctx.policies):
-        steps.append((who, [(p, GREEDY, None) for p in prompts]))
-        if who != BASELINE:
-            steps.append((who, [(p, FP_PATH, None) for p in prompts]))
-    steps += [(who, [(p, f"s{j}", j) for j in range(params.samples or 0) for p in scored])
-              for who in (BASELINE, *ctx.policies)]
-    steps = [(who, [r for r in rows if _key(r, who) not in done]) for who, rows in steps]
-    todo = sum(len(rows) for _, rows in steps)
+    whos = (BASELINE, *ctx.policies)
+    greedy = [(who, [(p, GREEDY, None) for p in prompts]) for who in whos]
+    samples = [(who, [(p, f"s{j}", j) for j in range(params.samples or 0) for p in scored]) for who in whos]
+    greedy, samples = ([(who, [r for r in rows if _key(r, who) not in done]) for who, rows in steps]
+                       for steps in (greedy, samples))
+    fp_paths = {p.id: [n for n in ctx.policies if record_key(p.id, n, FP_PATH) not in done] for p in prompts}
+    todo = sum(len(rows) for _, rows in greedy + samples) + sum(len(names) for names in fp_paths.values())
     with ctx.progress.task("generation", total=todo * params.max_new_tokens, unit="tok") as advance:
-        for who, rows in steps:
-            if rows and rows[0][1] == FP_PATH:
-                _score_fp_path(ctx, params, [p for p, _, _ in rows], ids, who, advance)
-            elif rows:
-                _decode_rows(ctx, params, rows, ids, who, advance)
+        for who, rows in greedy:
+            _decode_rows(ctx, params, rows, ids, who, advance)
+        _score_fp_paths(ctx, params, [p for p in prompts if fp_paths[p.id]], fp_paths, ids, advance)
+        for who, rows in samples:
+            _decode_rows(ctx, params, rows, ids, who, advance)
     return aggregate(ctx.run.records(), prompts, list(ctx.policies), params,
                      decode=lambda t: ctx.tokenizer.decode(t, skip_special_tokens=True))
 
@@ -179,10 +178,13 @@ def _decode_rows(ctx, params: Params, rows: list[Row], ids: dict[str, list[int]]
             advance(len(t.tokens), steps=params.max_new_tokens)  # the bar: units of work; the rate: tokens
 
 
-def _score_fp_path(ctx, params: Params, prompts: list[Prompt], ids: dict[str, list[int]], who: str,
-                   advance) -> None:
-    """The ``fp_path`` records of policy ``who``: its KLD along the baseline's greedy output of each prompt (one
-    teacher-forced pass; the baseline's records are written first)."""
+def _score_fp_paths(ctx, params: Params, prompts: list[Prompt], pending: dict[str, list[str]],
+                    ids: dict[str, list[int]], advance) -> None:
+    """The ``fp_path`` records: each pending policy's KLD along the baseline's greedy output of each prompt, from
+    one FP pass per prompt shared by the policies and one emulated pass per policy (the baseline's records are
+    written first)."""
+    from kveval.tasks.generation.teacher import path_kld
+
     base = {r["prompt"]: r for r in ctx.run.records()
             if r.get("task") == NAME and r.get("policy") == BASELINE and r.get("unit") == GREEDY}
     vocab = ctx.model.get_output_embeddings().weight.shape[0]
@@ -194,10 +196,12 @@ def _score_fp_path(ctx, params: Params, prompts: list[Prompt], ids: dict[str, li
                               f"'{record_key(p.id, BASELINE, GREEDY)}' to generate it again")
     for p in prompts:
         tokens = base[p.id]["tokens"]
-        fp = Trajectory(tokens=list(tokens), kld=_path_kld(ctx, ids[p.id], tokens, who, FP_PATH),
-                        ended=base[p.id]["ended"])
-        ctx.run.append(_record(ctx.tokenizer, params, p, who, FP_PATH, fp))
-        advance(len(tokens), steps=params.max_new_tokens)
+        klds = path_kld(ctx.model, ids[p.id], tokens, {n: ctx.policies[n] for n in pending[p.id]},
+                        where=f"generation {FP_PATH}")
+        for name, kld in klds.items():
+            fp = Trajectory(tokens=list(tokens), kld=kld, ended=base[p.id]["ended"])
+            ctx.run.append(_record(ctx.tokenizer, params, p, name, FP_PATH, fp))
+            advance(len(tokens), steps=params.max_new_tokens)
 
 
 def _decode(ctx, params: Params, batch: list[Row], ids: dict[str, list[int]], who: str):
