@@ -68,10 +68,10 @@ def load_text(source: str, *, split: str | None = None, text_field: str = "text"
 
         return "\n\n".join(topics[k] for k in sorted(topics))
     if source == "wikitext2":
-        rows = _hf_dataset(source, "wikitext", "wikitext-2-raw-v1", split or "test", text_field="text")
+        rows = _hf_dataset(source, *_HF_CORPORA[source], split or "test", text_field="text")
         return "\n\n".join(rows)
     if source == "pg19":
-        rows = _hf_dataset(source, "deepmind/pg19", None, split or "test", text_field="text", limit=PG19_BOOKS)
+        rows = _hf_dataset(source, *_HF_CORPORA[source], split or "test", text_field="text", limit=PG19_BOOKS)
         return "\n\n".join(rows)
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
@@ -138,6 +138,33 @@ def _parquet_texts(path: Path, field: str) -> list[str]:
         if not isinstance(value, str):
             raise KvevalError(f"{path}: row {row} of column {field!r} is {_json_kind(value)}, not a string of text")
     return values
+
+
+#: the HF datasets behind the named corpora: (repo, config)
+_HF_CORPORA = {"wikitext2": ("wikitext", "wikitext-2-raw-v1"), "pg19": ("deepmind/pg19", None)}
+
+
+def check_corpus_available(source: str) -> None:
+    """A named HF corpus (``wikitext2``, ``pg19``) that ``kveval run`` could not load here: when the hub cannot be
+    reached, the ``datasets`` cache must hold it (its builder resolves offline). One KvevalError line; nothing is
+    checked for other sources or when the hub can be reached."""
+    if source not in _HF_CORPORA:
+        return
+    import datasets
+
+    from .models import hub_guard
+
+    repo, config = _HF_CORPORA[source]
+    with hub_guard() as offline:
+        if not offline:
+            return
+        try:
+            datasets.load_dataset_builder(repo, config)
+        except Exception:  # datasets raises a zoo of types (ConnectionError, FileNotFoundError, ...)
+            raise KvevalError(f"dataset {source!r} is not in the local HuggingFace datasets cache and the hub cannot "
+                              f"be reached: load it once where there is network (python -c \"import datasets; "
+                              f"datasets.load_dataset({repo!r}, {config!r})\"), or use data: builtin or a local "
+                              ".txt/.jsonl/.parquet file") from None
 
 
 def _hf_dataset(source: str, repo: str, config: str | None, split: str, *, text_field: str,

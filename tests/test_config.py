@@ -113,6 +113,16 @@ def test_every_shipped_config_validates(path):
         assert load_sweep(path).runs
         return
     assert first == f"# kveval run configs/{path.name}", "each config opens with the command that runs it"
+    cfg = load_config(path, check=False)
+    if "/" in cfg.model.name and not cfg.model.name.startswith(("/", ".")):  # a hub model: runs where it is cached
+        from kveval.models.hub import hub_guard
+
+        with hub_guard() as offline:
+            pass
+        if offline:
+            with pytest.raises(KvevalError, match="not in the local HuggingFace cache"):
+                load_config(path)
+            return
     load_config(path)
 
 

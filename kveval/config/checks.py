@@ -30,7 +30,8 @@ def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
     The model name (a builtin, an existing local folder whose config parses, with safetensors weights and no code
     it would need, a GGUF file), a CUDA device that exists, an output folder that can be created (not a file, no
     file in its way, writable, names not too long), ``calibration.output`` likewise, the cache root
-    (``KVEVAL_CACHE``) a folder, a local corpus file that reads as non-empty UTF-8 text with string text fields,
+    (``KVEVAL_CACHE``) a folder, a local corpus file that reads as non-empty UTF-8 text with string text fields, a named HF corpus and a hub
+    model that can be loaded here (cached when the hub cannot be reached),
     each task's own inputs (its ``check_inputs`` hook, e.g. a folder of task definitions that exists and holds no
     code unless ``allow_code``), ``scales:`` files and the ``plan:`` file that are what they claim to be. Errors
     are one KvevalError line starting with ``source``."""
@@ -57,10 +58,12 @@ def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
         if cfg.calibration.output:
             check_writable_path(Path(cfg.calibration.output), "calibration.output", folder=False)
         check_cache_root()
-        if cfg.data.source not in _NAMED_CORPORA:
-            from kveval.data import load_text
+        from kveval.data import check_corpus_available, load_text
 
+        if cfg.data.source not in _NAMED_CORPORA:
             load_text(cfg.data.source, split=cfg.data.split, text_field=cfg.data.text_field)
+        else:
+            check_corpus_available(cfg.data.source)
         from kveval.tasks import TASKS
 
         for entry in cfg.tasks:  # each task's own checks: its parameter module's check_inputs hook, if any

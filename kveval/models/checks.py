@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 
 from kveval.errors import KvevalError
 from kveval.gguf import check_gguf
+from kveval.models.hub import check_hub_model_cached
 from kveval.models.source import model_source
 
 #: the dtype names kveval takes (configs, ``load_model``)
@@ -63,9 +64,12 @@ def resolve_device(device: str) -> torch.device:
 
 def check_model_source(name: str, trust_remote_code: bool = False) -> None:
     """What can be said about a model name without loading it (``kveval validate``): an unknown builtin, a path that
-    does not exist, a local folder's files (:func:`check_model_folder`), a file that is not GGUF. Hub ids pass."""
+    does not exist, a local folder's files (:func:`check_model_folder`), a file that is not GGUF, a hub id whose
+    files are not cached when the hub cannot be reached (:func:`check_hub_model_cached`)."""
     source = model_source(name)
-    if source.kind == "folder" and source.path is not None:
+    if source.kind == "hub":
+        check_hub_model_cached(name)
+    elif source.kind == "folder" and source.path is not None:
         check_model_folder(source.path, trust_remote_code)
     elif source.kind == "gguf" and source.path is not None:
         check_gguf(source.path)
