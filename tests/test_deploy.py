@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from kveval.commands.deploy import Costs, deploy, deploy_command, express, render
+from kveval.commands.deploy import Costs, NotExpressible, deploy, deploy_command, express, render
 from kveval.commands.plan import plan_command
 from kveval.errors import KvevalError
 from kveval.memory import Arch, kv_bytes
@@ -209,7 +209,7 @@ def _run_the_transformers_line(line: str, model=None) -> None:
 
     model = build_tiny_model("tiny-llama") if model is None else model
     ids = torch.randint(4, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    config = json.loads(re.search(r"cache_config=(\{.*?\})", line).group(1))
+    config = ast.literal_eval(re.search(r"cache_config=(\{.*?\})", line).group(1))
     new_tokens = int(re.search(r"max_new_tokens=(\d+)", line).group(1))
     built = {}
     generate = model.generate
@@ -260,10 +260,10 @@ def test_an_expressible_policy_of_each_engine(tmp_path):
     cases = {
         "vllm": ({"preset": "vllm_fp8_per_head", "layers": {"0, last 1": {"spec": "none"}}},
                  "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 29 --attention-backend FLASH_ATTN"),
-        "llamacpp": ("llamacpp_q4_0", "llama-server -m M.gguf -ctk q4_0 -ctv q4_0 -fa on"),
+        "llamacpp": ("llamacpp_q4_0", "llama-server -m model.gguf -ctk q4_0 -ctv q4_0 -fa on"),
         "sglang": ("sglang_mxfp8", "--kv-cache-dtype mxfp8 --attention-backend fa4"),
         "trtllm": ("trtllm_nvfp4", "KvCacheConfig(dtype='nvfp4')"),
-        "transformers": ("hf_quanto_int4", '"residual_length": 128'),
+        "transformers": ("hf_quanto_int4", "'residual_length': 128"),
     }
     for key, (cfg, want) in cases.items():
         dep = express(ENGINES[key], KVPolicy.from_config(cfg, name="p"), arch, "M")
@@ -320,3 +320,73 @@ def test_bad_deploy_input_is_one_line(tmp_path, scan):
 def test_render_names_the_context(scan, tmp_path):
     policies, arch, context, model, costs = _loaded(_plan_json(tmp_path, scan, "int4_g64"))
     assert f"(memory at {context} tokens" in render(deploy(policies, arch, context, model, costs), arch, context)
+
+
+def _printed_lines(text: str) -> list[str]:
+    """The command lines of deploy's output: engine lines (indented two spaces) and the ``run it:`` kveval lines."""
+    lines = [line[2:] for line in text.splitlines() if line.startswith("  ") and not line.startswith(("  #", "   "))
+             and not line.strip().startswith("nearest")]
+    lines += re.findall(r"run it: (kveval .*)\)$", text, flags=re.M)
+    return lines
+
+
+def test_every_kveval_line_deploy_prints_passes_validate(tmp_path):
+    """The "run it:" lines of the nearest options, pasted back with run -> validate, are accepted: each names a
+    policy kveval has (never an engine flag such as --kv-cache-dtype fp8_e5m2 or KvCacheConfig(dtype='fp8'))."""
+    from typer.testing import CliRunner
+
+    from kveval.cli import app
+
+    text = deploy_command("configs/engines.yaml")
+    runs = sorted(set(re.findall(r"run it: (kveval .*)\)$", text, flags=re.M)))
+    assert len(runs) >= 10, runs
+    for line in runs:
+        argv = shlex.split(line)
+        assert argv[:2] == ["kveval", "run"], line
+        result = CliRunner().invoke(app, ["validate", *argv[2:], "-o", str(tmp_path / "o")])
+        assert result.exit_code == 0, (line, result.output)
+
+
+def test_printed_engine_lines_are_quoted_for_the_shell(tmp_path):
+    """A model path holding a space, ';' and '$' comes back as one argument when the printed line is split as a
+    shell would, so pasting it runs one command with that path."""
+    hostile = str(tmp_path / "my models; rm -rf $HOME" / "m.gguf")
+    policies = {n: KVPolicy.preset(n) for n in ("vllm_fp8", "llamacpp_q4_0", "sglang_mxfp8")}
+    deps = deploy(policies, Arch.named("smollm2-135m"), 256, hostile, Costs())
+    shell_lines = [line for d in deps if d.exact and d.engine in ("vllm", "llamacpp", "sglang") for line in d.lines]
+    assert len(shell_lines) >= 3, shell_lines
+    for line in shell_lines:
+        argv = shlex.split(line)
+        assert hostile in argv, (line, argv)
+        assert ";" not in [a for a in argv if a != hostile and ";" in a]
+
+
+def test_nearest_is_ordered_by_bits_then_cost():
+    """int8 (8.25 bits) on llama.cpp: q8_0 (8.5 bits) first, then the 6- and 5.5-bit types, never q5_1 first."""
+    deps = deploy({"int8": KVPolicy.preset("int8")}, Arch.named("smollm2-135m"), 512, "m.gguf", Costs(),
+                  ["llamacpp"])
+    labels = [o.label for o in deps[0].nearest]
+    assert labels == ["-ctk q8_0 -ctv q8_0", "-ctk q5_1 -ctv q5_1", "-ctk q5_0 -ctv q5_0"], labels
+
+
+def test_transformers_quantized_cache_is_refused_where_transformers_refuses_it():
+    """A model with sliding-window layers: transformers' own QuantizedCache raises, and deploy says the policy is not
+    expressible there (with the nearest options) instead of printing code that fails; likewise a group size that
+    does not divide head_dim."""
+    from transformers import QuantizedCache
+
+    from kveval.models import tiny_model_config
+
+    config = tiny_model_config("tiny-gemma3")
+    with pytest.raises(ValueError, match="full attention"):
+        QuantizedCache(backend="quanto", config=config, nbits=4, q_group_size=32, residual_length=0)
+    arch = Arch.from_model_config(config, name="builtin:tiny-gemma3")
+    assert arch.sliding_layers
+    policy = KVPolicy.from_config({"preset": "hf_quanto_int4", "spec": "int4_g32"}, name="q")
+    dep = deploy({"q": policy}, arch, 64, "m", Costs(), ["transformers"])[0]
+    assert not dep.exact and "sliding-window" in dep.reason and dep.nearest
+    odd = Arch.from_dict({**Arch.named("smollm2-135m").to_dict(), "head_dim": 96})
+    with pytest.raises(NotExpressible, match="does not divide head_dim 96"):
+        express(ENGINES["transformers"], KVPolicy.preset("hf_quanto_int4"), odd, "m")
+    with pytest.raises(KvevalError, match="does not divide head_dim 96"):  # and the policy has no bill there
+        deploy({"q": KVPolicy.preset("hf_quanto_int4")}, odd, 64, "m", Costs(), ["transformers"])

@@ -25,6 +25,7 @@ listed, each with its measured or predicted cost (or "not measured").
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,9 +56,14 @@ class Option:
     delta_ppl_pct: float | None = None
     source: str = ""
 
-    def line(self) -> str:
-        if self.kld is None:
-            cost = "cost: not measured (run it: kveval run with kv: [" + (self.preset or self.label) + "])"
+    run_name: str | None = None  # the kv: entry that evaluates it (None: no kveval policy computes it)
+
+    def line(self, config_hint: str = "CONFIG") -> str:
+        if self.kld is None and self.run_name:
+            cost = "cost: not measured (run it: " + shlex.join(
+                ["kveval", "run", config_hint, "-s", f"kv=[{self.run_name}]"]) + ")"
+        elif self.kld is None:
+            cost = "cost: not measured"
         else:
             dppl = f", ΔPPL {self.delta_ppl_pct:+.2f}%" if self.delta_ppl_pct is not None else ""
             cost = f"KLD {self.kld:.4g}{dppl} ({self.source})"
@@ -122,18 +128,46 @@ def _scales_notes(policy: KVPolicy, specs: list, config_hint: str) -> list[str]:
     return []
 
 
+#: the builtin models an engine can load: (hub id for the HF-based engines, GGUF file name for llama.cpp)
+_BUILTIN_ENGINE_MODELS = {"builtin:smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def engine_model(model: str, engine_key: str) -> tuple[str, list[str]]:
+    """(the model as ``engine_key`` takes it, notes). llama.cpp takes a GGUF file: a ``.gguf`` path as it is, the
+    builtin SmolLM2 as its GGUF file, anything else as ``model.gguf`` with the note that converts it. The other
+    engines take a hub id or folder; the builtin SmolLM2 is its hub id; a random-weight builtin has no engine."""
+    notes = []
+    if model.startswith("builtin:") and model not in _BUILTIN_ENGINE_MODELS:
+        notes.append(f"{model} is a random-weight test model that no engine serves: pass your model with --model")
+    if engine_key == "llamacpp":
+        if model.lower().endswith(".gguf"):
+            return model, notes
+        if model == "builtin:smollm2-135m":
+            from kveval.models.builtin import smollm2_gguf
+
+            try:
+                return str(smollm2_gguf()), notes
+            except KvevalError:
+                pass
+        return "model.gguf", notes + [f"model.gguf: {model} converted with llama.cpp's convert_hf_to_gguf.py "
+                                      "(python convert_hf_to_gguf.py MODEL_DIR --outfile model.gguf)"]
+    return _BUILTIN_ENGINE_MODELS.get(model, model), notes
+
+
 def express(engine: Engine, policy: KVPolicy, arch: Arch, model: str, config_hint: str = "CONFIG") -> Deployment:
-    """The lines that run ``policy`` on ``engine`` (module docstring); NotExpressible when it cannot."""
+    """The lines that run ``policy`` on ``engine`` (module docstring); NotExpressible when it cannot. Shell lines
+    are quoted for a POSIX shell (``shlex.join``), Python lines with ``repr``."""
     _check_features(engine, policy)
     layers = _layer_specs(policy, arch)
     dep = Deployment(engine.key, policy.name)
+    model, dep.notes = engine_model(model, engine.key)
     quantized = [(i, k, v) for i, (k, v) in enumerate(layers) if not (k.is_none and v.is_none)]
     if engine.key == "vllm":
         half = [i for i, k, v in quantized if k.is_none or v.is_none]
         if half:
             raise NotExpressible(f"layer {half[0]} quantizes only one of K and V; vLLM's skip-layers keep both")
         if not quantized:
-            dep.lines = [f"vllm serve {model} --kv-cache-dtype auto"]
+            dep.lines = [shlex.join(["vllm", "serve", model, "--kv-cache-dtype", "auto"])]
             return dep
         t = _one_type(engine, [s for _, k, v in quantized for s in (k, v)], "the policy")
         if len({(k, v) for _, k, v in quantized}) > 1 or any(k != v for _, k, v in quantized):
@@ -141,16 +175,16 @@ def express(engine: Engine, policy: KVPolicy, arch: Arch, model: str, config_hin
         skip = [str(i) for i, (k, v) in enumerate(layers) if k.is_none and v.is_none]
         if policy.skip_sliding and arch.sliding_layers:
             skip = [s for s in skip if int(s) not in arch.sliding_layers] + ["sliding_window"]
-        cmd = f"vllm serve {model} --kv-cache-dtype {t.name}"
+        cmd = ["vllm", "serve", model, "--kv-cache-dtype", t.name]
         if skip:
-            cmd += " --kv-cache-dtype-skip-layers " + " ".join(skip)
+            cmd += ["--kv-cache-dtype-skip-layers", *skip]
         names = {tr.name for tr in policy.transforms}
         per_head = any(s.granularity == "head" for _, k, _v in quantized for s in (k,))
         if names or per_head:
-            cmd += " --attention-backend FLASH_ATTN"
+            cmd += ["--attention-backend", "FLASH_ATTN"]
             dep.notes.append("FlashAttention 3 (Hopper): " + ("FP8 query and P·V (vllm_fp8_fa3)" if names else
                                                              "per-head scales need it"))
-        dep.lines = [cmd]
+        dep.lines = [shlex.join(cmd)]
         dep.notes += _scales_notes(policy, [k for _, k, _ in quantized], config_hint)
         if t.note:
             dep.notes.append(t.note)
@@ -160,9 +194,9 @@ def express(engine: Engine, policy: KVPolicy, arch: Arch, model: str, config_hin
         vt = _one_type(engine, [v for _, v in layers], "the values")
         names = {tr.name for tr in policy.transforms}
         quant = kt.name != "f16" or vt.name != "f16"
-        env = "LLAMA_ATTN_ROT_DISABLE=1 " if quant and "hadamard" not in names else ""
-        fa = " -fa on" if vt.name != "f16" else ""
-        dep.lines = [f"{env}llama-server -m {model}.gguf -ctk {kt.name} -ctv {vt.name}{fa}"]
+        env = ["LLAMA_ATTN_ROT_DISABLE=1"] if quant and "hadamard" not in names else []
+        fa = ["-fa", "on"] if vt.name != "f16" else []
+        dep.lines = [shlex.join([*env, "llama-server", "-m", model, "-ctk", kt.name, "-ctv", vt.name, *fa])]
         if quant and not {"gguf_order", "query_quant"} <= names:
             dep.notes.append("the policy's specs are the ggml formats alone; llama.cpp's cache also reads a GGUF's "
                              "channel order and converts the query (kveval's llamacpp_* presets)")
@@ -175,8 +209,9 @@ def express(engine: Engine, policy: KVPolicy, arch: Arch, model: str, config_hin
     if any(k != v for _, k, v in quantized):
         raise NotExpressible(f"K and V take different specs; {engine.title} runs one type for both")
     if engine.key == "sglang":
-        backend = {"nvfp4": " --attention-backend trtllm_mha", "mxfp8": " --attention-backend fa4"}.get(t.name, "")
-        dep.lines = [f"python -m sglang.launch_server --model-path {model} --kv-cache-dtype {t.name}{backend}"]
+        backend = {"nvfp4": ["--attention-backend", "trtllm_mha"], "mxfp8": ["--attention-backend", "fa4"]}
+        dep.lines = [shlex.join(["python", "-m", "sglang.launch_server", "--model-path", model, "--kv-cache-dtype",
+                                 t.name, *backend.get(t.name, [])])]
     elif engine.key == "trtllm":
         if t.name == "int8":
             raise NotExpressible("INT8 KV cache runs on TensorRT-LLM's TensorRT backend only (a ModelOpt checkpoint "
@@ -186,16 +221,24 @@ def express(engine: Engine, policy: KVPolicy, arch: Arch, model: str, config_hin
                      "from tensorrt_llm.llmapi import KvCacheConfig",
                      f"llm = LLM(model={model!r}, kv_cache_config=KvCacheConfig(dtype={t.name!r}))"]
     else:
-        dep.lines = transformers_code(t, specs[0], policy)
+        dep.lines = transformers_code(t, specs[0], policy, arch)
     dep.notes += _scales_notes(policy, specs, config_hint) if engine.key != "transformers" else []
     if t.note:
         dep.notes.append(t.note)
     return dep
 
 
-def transformers_code(t: EngineType, spec, policy: KVPolicy) -> list[str]:
-    """``generate`` through transformers' QuantizedCache for type ``t`` (``model``, ``inputs`` given)."""
+def transformers_code(t: EngineType, spec, policy: KVPolicy, arch: Arch) -> list[str]:
+    """``generate`` through transformers' QuantizedCache for type ``t`` (``model``, ``inputs`` given); NotExpressible
+    for a model with sliding-window layers (QuantizedCache builds full-attention layers only) and for a group size
+    that does not divide head_dim (its quantizer groups along head_dim)."""
+    if arch.sliding_layers:
+        raise NotExpressible(f"transformers' QuantizedCache has no sliding-window layers; the model has "
+                             f"{len(arch.sliding_layers)}")
     backend, _, nbits = t.name.partition(":")
+    if backend != "fp8" and spec.group_size and arch.head_dim % spec.group_size:
+        raise NotExpressible(f"transformers' QuantizedCache groups along head_dim; the group size {spec.group_size} "
+                             f"does not divide head_dim {arch.head_dim}")
     if backend == "fp8":
         if policy.residual:
             raise NotExpressible("transformers' fp8 cache keeps no residual window")
@@ -209,7 +252,7 @@ def transformers_code(t: EngineType, spec, policy: KVPolicy) -> list[str]:
         if backend == "hqq":
             config.update(axis_key=1, axis_value=1)
     return ["out = model.generate(**inputs, cache_implementation=\"quantized\", "
-            f"cache_config={json.dumps(config)}, max_new_tokens=32)"]
+            f"cache_config={config!r}, max_new_tokens=32)"]
 
 
 # ------------------------------------------------------------------------------------------------- costs
@@ -253,10 +296,12 @@ def _same_policy(cfg, preset: str) -> bool:
         return False
 
 
-def nearest_options(engine: Engine, arch: Arch, context: int, target_bytes: int, costs: Costs,
+def nearest_options(engine: Engine, arch: Arch, context: int, target_bits: float, costs: Costs,
                     n: int = 3) -> list[Option]:
-    """The engine's uniform policies nearest in memory to ``target_bytes`` (the asked policy's bill), each with
-    its measured (``costs.run``) or predicted (``costs.scan``: the summed scanned KLD of the uniform spec) cost."""
+    """The engine's ``n`` uniform policies nearest in memory to ``target_bits`` (the asked policy's bill in bits per
+    element at ``context``): ordered
+    by their distance in bits per element, then by cost (lower first, unmeasured last), each with its measured
+    (``costs.run``) or predicted (``costs.scan``: the summed scanned KLD of the uniform spec) cost."""
     out = []
     for t in engine.types:
         if t.name in ("f16",):
@@ -266,8 +311,7 @@ def nearest_options(engine: Engine, arch: Arch, context: int, target_bytes: int,
             bill = kv_bytes(arch, what, context)
         except (KvevalError, ValueError):
             continue
-        label = _label(engine, t)
-        opt = Option(label, t.preset, bill.bits_per_element)
+        opt = Option(_label(engine, t), t.preset, bill.bits_per_element, run_name=_run_name(t))
         got = costs.measured(t.preset)
         if got is not None:
             opt.kld, opt.delta_ppl_pct = got[0], got[1]
@@ -276,12 +320,21 @@ def nearest_options(engine: Engine, arch: Arch, context: int, target_bytes: int,
             pred = costs.predicted(t.specs)
             if pred is not None:
                 opt.kld, opt.source = pred, f"predicted from the scan {costs.scan_name}"
-        out.append((abs(bill.total - target_bytes), bill.total > target_bytes, opt))
-    out.sort(key=lambda x: (x[1], x[0]))  # at or under the target first, nearest first
-    under = [o for d, over, o in out if not over]
-    over = sorted([(d, o) for d, ov, o in out if ov], key=lambda x: x[0])
-    picked = under[:n - 1] + [o for _, o in over[:1]]
-    return picked[:n] if picked else [o for _, _, o in out[:n]]
+        out.append(opt)
+    out.sort(key=lambda o: (round(abs(o.bits - target_bits), 2), o.kld is None, o.kld or 0.0, -o.bits))
+    return out[:n]
+
+
+def _run_name(t: EngineType) -> str | None:
+    """The ``kv:`` entry that evaluates engine type ``t``: its preset, else its first spec when that is a policy
+    preset too (fp8_e5m2), else None."""
+    if t.preset:
+        return t.preset
+    try:
+        KVPolicy.preset(t.specs[0])
+    except KvevalError:
+        return None
+    return t.specs[0]
 
 
 def _label(engine: Engine, t: EngineType) -> str:
@@ -349,13 +402,14 @@ def deploy(policies: dict[str, KVPolicy], arch: Arch, context: int, model: str, 
                 dep = express(engine, policy, arch, model, config_hint)
             except NotExpressible as exc:
                 dep = Deployment(key, name, reason=str(exc))
-                dep.nearest = nearest_options(engine, arch, context, kv_bytes(arch, policy, context).total, costs)
+                dep.nearest = nearest_options(engine, arch, context, kv_bytes(arch, policy, context).bits_per_element,
+                                              costs)
             dep.policy = name
             out.append(dep)
     return out
 
 
-def render(deps: list[Deployment], arch: Arch, context: int) -> str:
+def render(deps: list[Deployment], arch: Arch, context: int, config_hint: str = "CONFIG") -> str:
     lines: list[str] = []
     for key in dict.fromkeys(d.engine for d in deps):
         engine = ENGINES[key]
@@ -368,7 +422,7 @@ def render(deps: list[Deployment], arch: Arch, context: int) -> str:
             else:
                 lines.append(f"{d.policy}: not expressible: {d.reason}")
                 lines.append("  nearest it can run (memory at the same context):")
-                lines += [f"    {o.line()}" for o in d.nearest]
+                lines += [f"    {o.line(config_hint)}" for o in d.nearest]
         lines.append("")
     lines.append(f"(memory at {context} tokens of context, {arch.layers} layers x {arch.kv_heads} kv heads x "
                  f"head_dim {arch.head_dim})")
@@ -386,4 +440,4 @@ def deploy_command(target: str, run_dir: str | None = None, engines: list[str] |
         costs.run, costs.run_name = read_metrics(run_dir), str(run_dir)
         costs.run_policies = ((read_config(run_dir).get("kv") or {}).get("policies") or {})
     deps = deploy(policies, arch, context, model or model_name, costs, engines, hint)
-    return render(deps, arch, context)
+    return render(deps, arch, context, hint)
