@@ -193,3 +193,69 @@ def test_unfinished_run_says_so(tmp_path):
     (run / "metrics.json").unlink()
     with pytest.raises(KvevalError, match="unfinished"):
         report_command([run])
+
+
+def test_the_verdict_table_reads_at_a_glance(full_run, full_report):
+    """The first table: at most 8 columns (policy, bits, ΔPPL % with its MDE, KLD, KLD 99%, same top p, max batch
+    at the deployment context, verdict), the verdict last; every other column in the appendix's table."""
+    from kveval.report import tables
+
+    res = load(full_run)
+    glance = tables.glance_table(res)
+    assert 4 <= len(glance.columns) <= tables.GLANCE_COLUMNS and list(glance.columns)[:2] == ["policy", "bits/elem"]
+    assert glance.columns[-1] == "verdict" and list(glance["policy"]) == list(res.summary["policy"])
+    full = tables.verdict_table(res)
+    assert len(full.columns) > len(glance.columns)
+    md = (full_report / "report.md").read_text()
+    assert md.index("## Verdicts") < md.index("## Appendix: every column") < md.index("## Environment")
+
+
+def test_max_batch_is_sized_at_the_deployment_context(tmp_path):
+    """metrics.json's memory.deployment (the model's context limit, or memory.context): the glance table's max batch
+    and its header come from there, and the memory table gains the same bill at that context; a run before it falls
+    back to its own context."""
+    from kveval.memory import Arch
+    from kveval.memory.rows import policy_memory_fields
+    from kveval.report import tables
+
+    path = write_synthetic_run(tmp_path / "r")
+    metrics = json.loads((path / "metrics.json").read_text())
+    old = tables.glance_table(load(path))
+    assert not any("@ 8k" in c for c in old.columns)
+    arch = Arch.from_dict(metrics["memory"]["arch"])
+    metrics["memory"]["gpu_memory"] = "80GiB"
+    metrics["memory"]["deployment"] = {
+        "context": 8192, "baseline": policy_memory_fields(arch, "fp16", 8192, "80GiB"),
+        "policies": {n: policy_memory_fields(arch, "int8", 8192, "80GiB") for n in metrics["policies"]}}
+    (path / "metrics.json").write_text(json.dumps(metrics))
+    res = load(path)
+    glance = tables.glance_table(res)
+    col = "max batch @ 8k, 80GiB"
+    want = f"{metrics['memory']['deployment']['baseline']['max_batch']:,}"
+    assert glance.loc[glance["policy"] == "baseline", col].item() == want
+    memory = tables.memory_table(res)
+    assert "max batch @ 8k" in memory.columns and "total @ 8k" in memory.columns
+
+
+def test_a_wide_range_of_delta_ppl_stays_readable():
+    """0.18% and 16.5% on one axis: symmetric log from the decade of the smallest value, so 0.1-1 and 1-10 get the
+    same height (a linear part up to the 1% threshold gave 0-1 the height of 1-20)."""
+    from kveval.report.style import readable_linthresh
+
+    assert readable_linthresh([0.184, 16.49], 1.0) == pytest.approx(0.1)
+    assert readable_linthresh([0.0001, 30.0], 1.0) == pytest.approx(0.01)  # at most two decades below the threshold
+    assert readable_linthresh([5.0, 30.0], 1.0) == pytest.approx(1.0)  # never above the threshold
+    assert readable_linthresh([0.0], 1.0) == 1.0
+
+
+def test_plot_titles_name_the_model_not_the_run(full_run):
+    res = load(full_run)
+    model = str(res.metrics["model"])
+    assert model != res.name
+    for name, fn in plots.RUN_PLOTS.items():
+        fig = fn(res)
+        if fig is None:
+            continue
+        titles = [fig.get_suptitle()] + [ax.get_title() for ax in fig.axes]
+        assert not any(t.startswith(f"{res.name}:") for t in titles), (name, titles)
+        assert any(model in t for t in titles), (name, titles)

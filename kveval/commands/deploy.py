@@ -24,7 +24,6 @@ listed, each with its measured or predicted cost (or "not measured").
 
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -288,9 +288,11 @@ def weight_file_digests(ctx: CheckContext) -> dict:
 
 def memory_fields(ctx: CheckContext) -> dict:
     """bytes_per_token, compression_vs_fp16, max_batch and bits_per_element per policy (FP16 storage of the
-    full-precision parts), at the configured context (default: the longest window of the run's tasks)."""
+    full-precision parts), at the configured context (default: the longest window of the run's tasks); the same
+    at the deployment context (``memory.deployment``: ``memory.context``, else the model's context limit)."""
     from kveval.memory import Arch
     from kveval.memory.rows import policy_memory_fields
+    from kveval.models.info import model_context_limit
 
     arch = Arch.from_model(ctx.model)
     lengths = [getattr(t.params, "seq_len", 0) for t in ctx.cfg.tasks]
@@ -300,6 +302,11 @@ def memory_fields(ctx: CheckContext) -> dict:
     out[BASELINE] = policy_memory_fields(arch, "fp16", context, gpu)
     for name, policy in ctx.policies.items():
         out["policies"][name] = policy_memory_fields(arch, policy, context, gpu)
+    # the same bills at a deployment-sized context (memory.context, else the model's own limit): what sizes a server
+    deployed = ctx.cfg.memory.context or model_context_limit(ctx.model)
+    out["memory"]["deployment"] = {
+        "context": deployed, BASELINE: policy_memory_fields(arch, "fp16", deployed, gpu),
+        "policies": {n: policy_memory_fields(arch, p, deployed, gpu) for n, p in ctx.policies.items()}}
     if ctx.weights:  # the same bills beside each variant's quantized weights (codes + scales, the rest in FP16)
         variants = {}
         for vname, prepared in ctx.weights.items():

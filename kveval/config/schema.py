@@ -145,7 +145,9 @@ class Threshold(Strict):
 
 class MemoryConfig(Strict):
     """The memory bill written beside each policy: at ``context`` tokens (default: the longest task window),
-    and the largest batch that fits a GPU of ``gpu_memory`` (e.g. ``80GiB``) next to the weights."""
+    and the largest batch that fits a GPU of ``gpu_memory`` (e.g. ``80GiB``) next to the weights; the same bill at
+    the deployment context (``memory.deployment`` in metrics.json: ``context`` when set, else the model's context
+    limit), which the report's verdict table sizes batches at."""
 
     context: int | None = Field(None, gt=0)
     gpu_memory: str = "80GiB"

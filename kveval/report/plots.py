@@ -28,6 +28,7 @@ from kveval.report.style import (
     pareto_front,
     place_labels,
     policy_styles,
+    readable_linthresh,
     save,
     scale_note,
     symlog_axis,
@@ -101,8 +102,8 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
             if len(base) and not multi:  # KLD 0 has no place on a log axis: say where the baseline is
                 ax.text(0.98, 0.03, f"FP16 baseline: KLD 0 at {float(base.iloc[0]) / KIB:.1f} KiB/token",
                         transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="#444444")
-        elif use_symlog(vals, max(thrs) if thrs else 1.0):
-            symlog_axis(ax, vals, max(thrs) if thrs else 1.0)
+        elif use_symlog(vals, readable_linthresh(vals, max(thrs) if thrs else 1.0)):
+            symlog_axis(ax, vals, readable_linthresh(vals, max(thrs) if thrs else 1.0))
         ax.set_xlabel("KV cache per token (KiB; all layers, K+V, scales included)")
         ax.set_ylabel(label + scale_note(ax))
         ax.grid(True, alpha=0.3)
@@ -116,10 +117,16 @@ def quality_vs_memory(runs: RunResults | Sequence[RunResults]) -> Figure | None:
                    for k, n in enumerate(run_names)]
         fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), fontsize=8,
                    title="run")
-    title = runs[0].name if not multi else ", ".join(run_names)
-    fig.suptitle(f"Quality vs memory: {title} (lower left is better)")
+    models = list(dict.fromkeys(_model(r) for r in runs))
+    fig.suptitle(f"{', '.join(models)}: quality vs KV memory per token (lower left is better)")
     place_labels(fig, jobs, multi)
     return fig
+
+
+def _model(res: RunResults) -> str:
+    """The model a run evaluated, for plot titles (the run's name names a policy as often as not)."""
+    model = (res.metrics or {}).get("model")
+    return str(model) if model else res.name
 
 
 # ------------------------------------------------------------------------------------------- per-policy bars
@@ -151,8 +158,9 @@ def policy_bars(res: RunResults) -> Figure | None:
     for xi, v in zip(x, df["delta_ppl_pct"]):
         ax_p.annotate(f"{v:+.2f}%", (xi, v), xytext=(0, 3 if v >= 0 else -11), textcoords="offset points",
                       ha="center", fontsize=8)
-    if use_symlog(list(df["delta_ppl_pct"]), thr or 1.0):
-        symlog_axis(ax_p, list(df["delta_ppl_pct"]), thr or 1.0)
+    linthresh = readable_linthresh(list(df["delta_ppl_pct"]), thr or 1.0)
+    if use_symlog(list(df["delta_ppl_pct"]), linthresh):
+        symlog_axis(ax_p, list(df["delta_ppl_pct"]), linthresh)
     ax_p.margins(y=0.12)
     ax_p.set_ylabel("ΔPPL vs FP16 baseline (%)" + scale_note(ax_p))
     ax_p.set_title("Perplexity increase")
@@ -182,7 +190,7 @@ def policy_bars(res: RunResults) -> Figure | None:
         ax.grid(True, axis="y", alpha=0.3)
         ax.set_xlabel("policy")
     ax_p.legend(handles=legend + ax_p.get_legend_handles_labels()[0], fontsize=8)
-    fig.suptitle(f"{res.name}: quality per policy (bars: verdict against the threshold)")
+    fig.suptitle(f"{_model(res)}: ΔPPL and KLD per policy", fontsize=11)
     return fig
 
 
@@ -217,7 +225,7 @@ def by_position(res: RunResults) -> Figure | None:
     handles, labels = ax_l.get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 7), fontsize=8)
-    fig.suptitle(f"{res.name}: error by token position")
+    fig.suptitle(f"{_model(res)}: error by token position")
     return fig
 
 
@@ -253,7 +261,7 @@ def memory_bars(res: RunResults) -> Figure | None:
     ax.set_ylim(0, bottom.max() * 1.2)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
-    ax.set_title(f"{res.name}: KV memory per token at {ctx} tokens\n(labels: size, compression vs FP16)",
+    ax.set_title(f"{_model(res)}: KV memory per token at {ctx} tokens\n(labels: size, compression vs FP16)",
                  fontsize=10)
     return fig
 
@@ -288,7 +296,7 @@ def layer_errors(res: RunResults) -> Figure | None:
     if (vals.dropna() > 0).all() and len(vals.dropna()):
         axes[0].set_yscale("log")
     axes[0].set_ylabel("relative MSE  ‖x̂ − x‖² / ‖x‖²")
-    fig.suptitle(f"{res.name}: quantization error per layer")
+    fig.suptitle(f"{_model(res)}: quantization error per layer")
     return fig
 
 
@@ -335,7 +343,7 @@ def bits_per_layer(res: RunResults) -> Figure | None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=8, ncol=2)
     axes[-1].set_xlabel("layer")
-    fig.suptitle(f"{res.name}: bits per layer of mixed-precision policies")
+    fig.suptitle(f"{_model(res)}: bits per layer of mixed-precision policies")
     return fig
 
 
@@ -409,7 +417,7 @@ def weights_x_kv(res: RunResults) -> Figure | None:
                 for i, p in enumerate(policies)]
     handles += ax_k.get_legend_handles_labels()[0]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 7), fontsize=8)
-    fig.suptitle(f"{res.name}: quantized weights × quantized KV cache, every effect against the FP model")
+    fig.suptitle(f"{_model(res)}: quantized weights × quantized KV cache, every effect against the FP model")
     return fig
 
 
@@ -488,7 +496,7 @@ def kld_distribution(res: RunResults) -> Figure | None:
     handles, labels = ax_h.get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 7), fontsize=8)
-    fig.suptitle(f"{res.name}: per-token KL divergence")
+    fig.suptitle(f"{_model(res)}: per-token KL divergence")
     return fig
 
 

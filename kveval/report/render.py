@@ -184,11 +184,14 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
     crit = [f"ΔPPL ≤ {thr['delta_ppl_pct']:g}%" if thr.get("delta_ppl_pct") is not None else None,
             f"KLD ≤ {thr['kld']:g}" if thr.get("kld") is not None else None]
     crit_s = " and ".join(c for c in crit if c) or "no threshold configured"
-    b.append(Block("table", tables.verdict_table(r), caption=f"Policies against the threshold ({crit_s}); MDE: "
-                                                             "the smallest ΔPPL the run detects (alpha 0.05, power "
-                                                             "0.8); inconclusive: the threshold lies below it and "
-                                                             "the measurement within one MDE of the threshold"))
-    b.extend(_llama_blocks(r, sub))
+    dctx, _ = tables.deployment_memory(r)
+    where = (f"; max batch: sequences of {dctx:,} tokens that fit next to the weights on "
+             f"{(r.metrics.get('memory') or {}).get('gpu_memory', 'the configured GPU')}" if dctx else "")
+    b.append(Block("table", tables.glance_table(r), caption=f"Policies against the threshold ({crit_s}); MDE: "
+                                                            "the smallest ΔPPL the run detects (alpha 0.05, power "
+                                                            "0.8); inconclusive: the threshold lies below it and "
+                                                            f"the measurement within one MDE of the threshold{where}. "
+                                                            "Every column: the appendix"))
     for label in dict.fromkeys(r.task_entries["task"]):
         b.append(Block("h", f"Task {label}: {_task_words(r, str(label))}", sub))
         b.append(Block("table", tables.task_entry_table(r, str(label)),
@@ -212,12 +215,18 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
         b.append(_img(fig, out, prefix + stem, CAPTIONS.get(stem, ""), alt=_plot_title(stem)))
         if stem == "memory" and not r.memory.empty:
             ctx = int(r.memory["context"].iloc[0])
-            b.append(Block("table", tables.memory_table(r), caption=f"Memory bill of one sequence of {ctx} tokens "
-                                                                    "(full-precision parts in FP16)"))
+            dctx, _ = tables.deployment_memory(r)
+            also = f"; the last two columns at {dctx:,} tokens, the deployment context" if dctx and dctx != ctx else ""
+            b.append(Block("table", tables.memory_table(r), caption=f"Memory bill of one sequence of {ctx:,} tokens "
+                                                                    f"(full-precision parts in FP16){also}"))
         if stem == "layer_errors":
             worst = worst_layers_table(r)
             if not worst.empty:
                 b.append(Block("table", worst, caption="Worst layers per policy (largest relative MSE)"))
+    b.append(Block("h", "Appendix: every column", sub))
+    b.append(Block("table", tables.verdict_table(r), caption="Every per-policy number of the run (tables/summary.csv "
+                                                             "holds them unformatted)"))
+    b.extend(_llama_blocks(r, sub))
     b.append(Block("h", "Environment and reproduction", sub))
     b.append(Block("table", _env_table(r), caption="Environment of the run"))
     cmd = reproduce_command(r.env)
@@ -353,9 +362,13 @@ def _overview(r: RunResults) -> list[str]:
         items.append("Threshold: " + " and ".join(p for p in parts if p))
     mem = r.metrics.get("memory") or {}
     if not r.memory.empty:
-        items.append(f"Memory figures at {int(r.memory['context'].iloc[0])} tokens of context"
+        run_ctx = int(r.memory["context"].iloc[0])
+        dctx, _ = tables.deployment_memory(r)
+        items.append(f"Memory figures at {run_ctx:,} tokens of context (the run's)"
+                     + (f" and {dctx:,} (the deployment's: memory.context, else the model's limit)"
+                        if dctx and dctx != run_ctx else "")
                      + (f", GPU memory {mem['gpu_memory']}" if mem.get("gpu_memory") else ""))
-    items.append("Policies: " + ", ".join(r.policies) + " (specifications in the verdict table)")
+    items.append("Policies: " + ", ".join(r.policies) + " (specifications in the appendix)")
     scales = r.env.get("scales") if isinstance(r.env, dict) else None
     for name, source in (scales.items() if isinstance(scales, dict) else ()):
         if isinstance(source, dict) and source.get("describe"):  # env.json's scales: where they came from

@@ -101,6 +101,17 @@ def use_symlog(values: Sequence[float], scale: float) -> bool:
     return bool(vals) and max(vals) > 10 * max(scale, 1e-12)
 
 
+def readable_linthresh(values: Sequence[float], threshold: float) -> float:
+    """Where a symmetric-log ΔPPL axis turns logarithmic: the decade at or below the smallest nonzero |value|,
+    between threshold / 100 and the threshold, so that 0.2% and 20% are both read off the axis (a linear part up
+    to the threshold gives 0-1 the height of 1-20)."""
+    small = [abs(v) for v in values if np.isfinite(v) and v != 0]
+    if not small:
+        return threshold
+    decade = 10.0 ** np.floor(np.log10(min(small)))
+    return float(min(threshold, max(decade, threshold / 100)))
+
+
 def symlog_axis(ax, values: Sequence[float], linthresh: float) -> None:
     """Linear up to the threshold, logarithmic beyond, with ticks at 1-2-5 multiples of the threshold."""
     ax.set_yscale("symlog", linthresh=linthresh)

@@ -99,6 +99,64 @@ def verdict_table(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
     return _verdict_rows(summary(runs), keep_run=len(runs) > 1)
 
 
+#: the at-a-glance table's columns (at most this many; :func:`glance_table`)
+GLANCE_COLUMNS = 8
+
+
+def context_label(tokens: int) -> str:
+    """``8192`` -> ``8k``, ``131072`` -> ``128k``, ``512`` -> ``512``: a context as users name it (k = 1024)."""
+    return f"{tokens // 1024}k" if tokens >= 1024 and tokens % 1024 == 0 else f"{tokens:,}"
+
+
+def deployment_memory(res: RunResults) -> tuple[int | None, dict[str, dict]]:
+    """(context, policy -> memory fields) of the run's deployment-sized bill (metrics.json ``memory.deployment``;
+    the baseline under its name), else the run's own context and the policies' fields (a run before 2026-12)."""
+    memory = (res.metrics or {}).get("memory") or {}
+    dep = memory.get("deployment")
+    if isinstance(dep, dict) and isinstance(dep.get("context"), int):
+        fields = {BASELINE: dep.get(BASELINE) or {}}
+        fields.update({n: f or {} for n, f in (dep.get("policies") or {}).items() if isinstance(f, dict)})
+        return dep["context"], fields
+    ctx = memory.get("context")
+    return (ctx if isinstance(ctx, int) else None), _policy_metrics(res.metrics or {})
+
+
+def glance_table(res: RunResults) -> pd.DataFrame:
+    """The report's first table, read at a glance (at most :data:`GLANCE_COLUMNS` columns): policy, bits per
+    element, ΔPPL % with its MDE, KLD, its 99th percentile, same top p %, the largest batch at the deployment
+    context (:func:`deployment_memory`) on the configured GPU, verdict. Columns empty in every row are left out
+    and the tasks' own columns (a run without perplexity) fill the room; the full table is :func:`verdict_table`."""
+    df = summary(res)
+    ctx, mem = deployment_memory(res)
+    gpu = ((res.metrics or {}).get("memory") or {}).get("gpu_memory")
+    batch_col = "max batch" + (f" @ {context_label(ctx)}" if ctx else "") + (f", {gpu}" if gpu else "")
+    task_columns = [c for c in summary_columns() if c.table is not None]
+    rows = []
+    for _, r in df.iterrows():
+        base = r["policy"] == BASELINE
+        mde = r.get("delta_ppl_pct_mde")
+        rows.append({
+            "policy": r["policy"],
+            "bits/elem": _f(r["bits_per_element"], ".2f"),
+            "ΔPPL % (MDE)": "" if base else _f(r["delta_ppl_pct"], "+.2f") + (
+                f" ({_f(mde, '.2f')})" if _ok(mde) and _ok(r["delta_ppl_pct"]) else ""),
+            "KLD": "" if base else _g(r["kld_mean"]),
+            "KLD 99%": "" if base else _g(r.get("kld_p99")),
+            "same top p %": "" if base else _f(r.get("same_top_p_pct"), ".2f"),
+            batch_col: _f((mem.get(str(r["policy"])) or {}).get("max_batch"), ",.0f"),
+            "verdict": _verdict_words(r["verdict"], r.get("more_tokens_to_decide")),
+            **{c.table[0]: _f(r.get(c.key), c.table[1]) for c in task_columns},
+        })
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    core = ["policy", "bits/elem", "ΔPPL % (MDE)", "KLD", "KLD 99%", "same top p %", batch_col]
+    keep = [c for c in core if c == "policy" or (out[c] != "").any()]
+    extra = [c.table[0] for c in task_columns if (out[c.table[0]] != "").any()]
+    keep += extra[:max(0, GLANCE_COLUMNS - 1 - len(keep))]
+    return out[keep + ["verdict"]]
+
+
 def task_entries(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
     """One row per (run, later task entry, policy): ``RunResults.task_entries`` of every run (a second
     perplexity task's own numbers, labelled ``tasks[i]``); empty when no config repeats a task kind."""
@@ -184,15 +242,23 @@ def memory_table(res: RunResults) -> pd.DataFrame:
     if mem.empty:
         return pd.DataFrame()
     fp16 = mem.loc[mem["policy"] == BASELINE, "total"]
+    dctx, dmem = deployment_memory(res)
+    run_ctx = ((res.metrics or {}).get("memory") or {}).get("context")
     rows = []
     for _, m in mem.iterrows():
-        rows.append({
+        row = {
             "policy": "fp16 (baseline)" if m["policy"] == BASELINE else m["policy"],
             "codes": format_bytes(m["codes"]), "scales + zero points": format_bytes(m["scales"]),
             "full precision": format_bytes(m["residual"]), "total": format_bytes(m["total"]),
             "bytes/token": f"{m['bytes_per_token']:,.0f}",
             "vs FP16": f"{float(fp16.iloc[0]) / m['total']:.2f}×" if len(fp16) and m["total"] else "",
-        })
+        }
+        if dctx and dctx != run_ctx:  # the same policy at the deployment context
+            fields = dmem.get(str(m["policy"])) or {}
+            per_token = fields.get("bytes_per_token")
+            row[f"total @ {context_label(dctx)}"] = format_bytes(per_token * dctx) if _ok(per_token) else ""
+            row[f"max batch @ {context_label(dctx)}"] = _f(fields.get("max_batch"), ",.0f")
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -393,7 +459,10 @@ def _cell(v) -> str:
 
 
 def _looks_numeric(text: str) -> bool:
-    t = text.replace(",", "").replace("×", "").replace("±", "").replace("%", "").strip()
+    """A cell that is a number, with its unit, its ± uncertainty or its (MDE) / [CI] after it: right-aligned like
+    every other number of its column."""
+    t = text.replace(",", "").replace("×", "").replace("%", "").strip()
+    t = re.split(r" ± | \(| \[", t, maxsplit=1)[0]
     try:
         float(t)
         return True
@@ -431,7 +500,7 @@ def _g(v) -> str:
     return "" if not _ok(v) else f"{float(v):.3g}"
 
 
-__all__ = ["summary", "llama_perplexity_frame", "llama_stats_table", "SUMMARY_EXTRA", "verdict_table", "task_entries", "task_entry_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
+__all__ = ["glance_table", "deployment_memory", "context_label", "GLANCE_COLUMNS", "summary", "llama_perplexity_frame", "llama_stats_table", "SUMMARY_EXTRA", "verdict_table", "task_entries", "task_entry_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
            "md_cell", "csv_safe", "csv_safe_cell", "weights_frame", "weights_table", "WEIGHTS_COLUMNS",
            "format_general", "format_number", "has_value", "is_number"]
 

@@ -21,7 +21,7 @@ Schema (docs/design.md section 4; docs/results.md lists every field of ``metrics
       {"run": NAME, "model": MODEL,
        "baseline": {FIELD: value},              # the full-precision reference (its name: BASELINE)
        "policies": {POLICY: {FIELD: value}},    # in the config's order
-       "memory": {"arch": {...}, "context": N, "gpu_memory": ...},
+       "memory": {"arch": {...}, "context": N, "gpu_memory": ..., "deployment": {"context", "baseline", "policies"}},
        "sensitivity": {...}, "plan": {...},     # only after a scan / for a planned config
        "weights": {"reference": {...}, "variants": {VARIANT: {"info", "weight_bytes", "alone", "policies"}}},
                                                 # only with model.weights (weights x KV cache)

@@ -349,7 +349,7 @@ def aggregate(records: list[dict], policies: list[str], params: Params) -> dict:
             for sub, metrics in rec["results"].items():
                 slot[sub] = {**metrics, "layers_quantized": rec["layers_quantized"]}
     base = by_policy.get(BASELINE, {})
-    out = {BASELINE: {"lm_eval": base}, "policies": {}}
+    out = {BASELINE: {"lm_eval": base, "lm_eval_mean": headline(base, params.tasks)}, "policies": {}}
     for name in policies:
         entry = {}
         for sub, metrics in by_policy.get(name, {}).items():
@@ -360,5 +360,24 @@ def aggregate(records: list[dict], policies: list[str], params: Params) -> dict:
                     m[f"delta_{k}"] = v - ref
                     m[f"delta_{k}_mde"] = _delta_mde(metrics, base.get(sub, {}), k)
             entry[sub] = m
-        out["policies"][name] = {"lm_eval": entry}
+        out["policies"][name] = {"lm_eval": entry, "lm_eval_mean": headline(entry, params.tasks)}
     return out
+
+
+def primary_metric(metrics: dict) -> tuple[str, float] | None:
+    """(name, value) of a task's first metric as lm-eval reports it (``acc`` before ``acc_norm``; neither ``n``,
+    ``layers_quantized``, a standard error nor a ``delta_``); None when it has none."""
+    for key, value in metrics.items():
+        if key in ("n", "layers_quantized") or "_stderr" in key or key.startswith("delta_"):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return key, float(value)
+    return None
+
+
+def headline(entry: dict, tasks: list[str]) -> float | None:
+    """The per-policy headline of the run's lm-eval tasks (``lm_eval_mean``): the unweighted mean of the primary
+    metric (:func:`primary_metric`) of each task the config names (a group's own aggregate stands for the group);
+    None when none was measured."""
+    scores = [p[1] for t in tasks if isinstance(entry.get(t), dict) and (p := primary_metric(entry[t])) is not None]
+    return sum(scores) / len(scores) if scores else None
