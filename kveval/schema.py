@@ -11,10 +11,10 @@ and names UTF-16, other encodings and binary files in one line instead of a ``Un
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from kveval.errors import KvevalError
 
@@ -33,6 +33,23 @@ class Strict(BaseModel):
             values = getattr(self, name) or []
             if len(set(values)) != len(values):
                 raise ValueError(f"{name} has duplicates")
+
+
+def _token_count(value: Any) -> Any:
+    """A count written with a unit (``"32k"``, ``"128Ki"``, ``"1M"``) as its whole number; anything else unchanged,
+    for the field's own checks (a plain string stays a string and is refused as one)."""
+    if isinstance(value, str) and value.strip()[-1:].lower() in ("k", "i", "m"):
+        from kveval.units import parse_count
+
+        try:
+            return parse_count(value.strip(), "count")
+        except KvevalError as exc:
+            raise ValueError(str(exc)) from None
+    return value
+
+
+#: a count of tokens in a config: a whole number, or one with a unit (``32k`` = ``32Ki`` = 32,768; ``1M``)
+Tokens = Annotated[int, BeforeValidator(_token_count)]
 
 
 # --------------------------------------------------------------------------------------------- YAML

@@ -167,3 +167,25 @@ def test_lm_eval_speaks_lm_evals_model_flag(args):
     assert len(lines) == 1 and "lm-eval's --model names the backend" in lines[0]
     assert "--pretrained ORG/MODEL" in lines[0]
     assert "--pretrained" in CliRunner().invoke(app, ["lm-eval", "-h"]).output
+
+
+def test_config_counts_take_units_too(tmp_path):
+    """Token counts in a config (seq_len, max_tokens, memory.context, needle and RULER lengths) take the units the
+    command line takes; the resolved config holds the whole numbers; a fraction of a token or a wrong unit is the
+    usual one line naming the key."""
+    from kveval.config import validate
+    from kveval.errors import KvevalError
+
+    raw = {"name": "u", "model": "builtin:tiny-llama", "data": "builtin", "kv": ["int8"],
+           "memory": {"context": "32k"},
+           "tasks": [{"perplexity": {"seq_len": "0.5k", "max_tokens": "4Ki"}},
+                     {"needle": {"context_lengths": ["1k", 2048]}}]}
+    cfg = validate(raw, "c.yaml")
+    assert cfg.memory.context == 32768
+    assert (cfg.tasks[0].params.seq_len, cfg.tasks[0].params.max_tokens) == (512, 4096)
+    assert cfg.tasks[1].params.context_lengths == [1024, 2048]
+    assert cfg.model_dump()["memory"]["context"] == 32768
+    with pytest.raises(KvevalError, match=r"tasks\[0\]\.perplexity\.seq_len: count 1\.3k is not a whole number"):
+        validate({**raw, "tasks": [{"perplexity": {"seq_len": "1.3k"}}]}, "c.yaml")
+    with pytest.raises(KvevalError, match=r"memory\.context"):
+        validate({**raw, "memory": {"context": "32GiB"}}, "c.yaml")

@@ -18,7 +18,7 @@ from pydantic import Field, PrivateAttr, create_model, field_validator, model_va
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
 from kveval.results.layout import BASELINE
-from kveval.schema import Strict
+from kveval.schema import Strict, Tokens
 from kveval.tasks import task_params
 
 MAX_NAME_CHARS = 100  # run and policy names name folders and files (plots/<task>_<policy>_diff.png)
@@ -149,7 +149,7 @@ class MemoryConfig(Strict):
     the deployment context (``memory.deployment`` in metrics.json: ``context`` when set, else the model's context
     limit), which the report's verdict table sizes batches at."""
 
-    context: int | None = Field(None, gt=0)
+    context: Tokens | None = Field(None, gt=0)
     gpu_memory: str = "80GiB"
 
     @field_validator("gpu_memory")
@@ -177,7 +177,7 @@ class CalibrationConfig(Strict):
     ``allow_overlap``. ``output``: where ``kveval calibrate`` writes (default ``results/scales/<name>.safetensors``)."""
 
     tokens: int = Field(2048, gt=1)
-    seq_len: int = Field(512, gt=1)
+    seq_len: Tokens = Field(512, gt=1)
     method: Literal["absmax", "percentile", "mse", "minmax_ema"] = "absmax"
     percentile: float = Field(99.9, ge=50, le=100)
     #: method minmax_ema (llm-compressor's default KV observer, kveval.scales.ema): the weight of each new window

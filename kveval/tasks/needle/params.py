@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kveval.schema import Strict
+from kveval.schema import Strict, Tokens
 
 NAME = "needle"
 
@@ -15,7 +15,7 @@ class Params(Strict):
     """Needle-in-a-haystack / passkey retrieval over context length × depth."""
 
     variant: Literal["passkey", "needle"] = "passkey"
-    context_lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1024, 2048], min_length=1)
+    context_lengths: list[Annotated[Tokens, Field(gt=0)]] = Field(default_factory=lambda: [1024, 2048], min_length=1)
     depths: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=lambda: [0.0, 0.5, 1.0], min_length=1)
     trials: int = Field(2, gt=0)
     max_new_tokens: int = Field(8, gt=0)

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_serializer, model_validator
 
-from kveval.schema import Strict
+from kveval.schema import Strict, Tokens
 
 NAME = "perplexity"
 
@@ -19,11 +19,11 @@ class Params(Strict):
     #: every window is scored under every weight variant x KV policy (the one task that measures model.weights)
     MEASURES_WEIGHT_VARIANTS: ClassVar[bool] = True
 
-    seq_len: int = Field(512, gt=1)
-    stride: int | None = Field(None, gt=0)
-    max_tokens: int | None = Field(4096, gt=0)
-    start_token: int = Field(0, ge=0)
-    prefill_tokens: int = Field(0, ge=0)
+    seq_len: Tokens = Field(512, gt=1)
+    stride: Tokens | None = Field(None, gt=0)
+    max_tokens: Tokens | None = Field(4096, gt=0)
+    start_token: Tokens = Field(0, ge=0)
+    prefill_tokens: Tokens = Field(0, ge=0)
     position_bins: int = Field(8, gt=0)
     bootstrap: int = Field(1000, ge=0)
     diagnostics: bool = True

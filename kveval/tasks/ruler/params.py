@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kveval.schema import Strict
+from kveval.schema import Strict, Tokens
 from kveval.tasks.ruler.prompts import FAMILIES
 
 NAME = "ruler"
@@ -19,7 +19,7 @@ class Params(Strict):
     """RULER-style synthetic long-context suite (needles, variable tracking, word extraction) over lengths."""
 
     families: list[FamilyName] = Field(default_factory=lambda: list(FAMILY_NAMES), min_length=1)
-    lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [4096, 8192], min_length=1)
+    lengths: list[Annotated[Tokens, Field(gt=0)]] = Field(default_factory=lambda: [4096, 8192], min_length=1)
     samples: int = Field(4, gt=0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: the config's seed
     depths: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(None, min_length=1)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from kveval.quant import preset
-from kveval.schema import Strict
+from kveval.schema import Strict, Tokens
 
 NAME = "sensitivity"
 
@@ -18,8 +18,8 @@ class Params(Strict):
     specs: list[str] = Field(default_factory=lambda: ["int4_g64", "int2_g32"], min_length=1)
     tensors: list[Literal["key", "value"]] = Field(default_factory=lambda: ["key", "value"], min_length=1)
     layers: str | int = "all"
-    seq_len: int = Field(256, gt=1)
-    max_tokens: int | None = Field(512, gt=0)
+    seq_len: Tokens = Field(256, gt=1)
+    max_tokens: Tokens | None = Field(512, gt=0)
     naive: bool = False
     plots: bool = True  # the report draws the heatmap and the ranking (kveval.report.task_figures), not the task
 
