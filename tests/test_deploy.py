@@ -271,7 +271,7 @@ def test_an_expressible_policy_of_each_engine(tmp_path):
     norot = express(ENGINES["llamacpp"], KVPolicy.preset("llamacpp_q8_0_norot"), arch, "M")
     assert norot.lines[0].startswith("LLAMA_ATTN_ROT_DISABLE=1 llama-server") and "-ctk q8_0" in norot.lines[0]
     notes = express(ENGINES["vllm"], KVPolicy.preset("vllm_fp8_per_head"), arch, "M").notes
-    assert any("--export compressed-tensors DIR --strategy attn_head" in n for n in notes)
+    assert any("--export compressed-tensors CONFIG-kv-checkpoint --strategy attn_head" in n for n in notes)
 
 
 def test_transformers_code_runs(tiny_llama):
@@ -390,3 +390,21 @@ def test_transformers_quantized_cache_is_refused_where_transformers_refuses_it()
         express(ENGINES["transformers"], KVPolicy.preset("hf_quanto_int4"), odd, "m")
     with pytest.raises(KvevalError, match="does not divide head_dim 96"):  # and the policy has no bill there
         deploy({"q": KVPolicy.preset("hf_quanto_int4")}, odd, 64, "m", Costs(), ["transformers"])
+
+
+def test_the_calibrate_line_of_a_static_scales_note_parses_as_kveval_calibrate():
+    """The note's `kveval calibrate ...` line names a real folder (no DIR placeholder) and kveval calibrate's own
+    parser accepts every argument of it."""
+    import typer.main
+
+    from kveval.cli import app
+
+    deps = deploy({"p": KVPolicy.preset("vllm_fp8_per_head")}, Arch.named("smollm2-135m"), 256, "m", Costs(),
+                  ["vllm"], config_hint="configs/engines.yaml")
+    note = next(n for n in deps[0].notes if "kveval calibrate" in n)
+    line = re.search(r"\((kveval calibrate .*?), then serve", note).group(1)
+    argv = shlex.split(line)
+    assert "DIR" not in argv and argv[-2:] == ["--strategy", "attn_head"]
+    command = typer.main.get_command(app).commands["calibrate"]
+    ctx = command.make_context("calibrate", argv[2:])
+    assert ctx.params["export"][0] == "compressed-tensors" and str(ctx.params["config"]) == "configs/engines.yaml"

@@ -31,6 +31,7 @@ from pathlib import Path
 from kveval.errors import KvevalError
 from kveval.memory import Arch, kv_bytes
 from kveval.policy import KVPolicy
+from kveval.policy.plan_file import is_finite_number
 from kveval.tasks.sensitivity.engine_names import check_engine_names
 from kveval.tasks.sensitivity.engines import ENGINES, Engine, EngineType
 
@@ -119,9 +120,10 @@ def _one_type(engine: Engine, specs: list, what: str) -> EngineType:
 def _scales_notes(policy: KVPolicy, specs: list, config_hint: str) -> list[str]:
     static = [s for s in specs if policy.uses_static(s)]
     if static:
-        strategy = " --strategy attn_head" if any(s.granularity == "head" for s in static) else ""
-        return [f"static scales: serve a checkpoint that carries them (kveval calibrate {config_hint} --export "
-                f"compressed-tensors DIR{strategy}, then use DIR as the model)"]
+        strategy = ["--strategy", "attn_head"] if any(s.granularity == "head" for s in static) else []
+        folder = f"{Path(config_hint).stem}-kv-checkpoint"
+        line = shlex.join(["kveval", "calibrate", config_hint, "--export", "compressed-tensors", folder, *strategy])
+        return [f"static scales: serve a checkpoint that carries them ({line}, then serve {folder} as the model)"]
     if any(s.static_scale is not None for s in specs):
         return ["scales 1.0: the engine's default for a checkpoint without k_scale / v_scale"]
     return []
@@ -266,32 +268,41 @@ class Costs:
     scan_name: str = ""
 
     def measured(self, preset: str | None) -> tuple[float, float | None] | None:
+        """(KLD, ΔPPL % or None) the run measured for ``preset`` (or a policy of the same form); None when it has
+        no finite KLD for it (a NaN, a string or a list in a hand-edited metrics.json is no cost)."""
         if not self.run or not preset:
             return None
         pols = self.run.get("policies") or {}
         names = [preset] + [n for n, cfg in self.run_policies.items() if _same_policy(cfg, preset)]
         for n in names:
             m = pols.get(n) or {}
-            if isinstance(m.get("kld_mean"), (int, float)):
-                return float(m["kld_mean"]), m.get("delta_ppl_pct")
+            if isinstance(m, dict) and is_finite_number(m.get("kld_mean")):
+                dppl = m.get("delta_ppl_pct")
+                return float(m["kld_mean"]), float(dppl) if is_finite_number(dppl) else None
         return None
 
     def predicted(self, spec_names: tuple[str, ...]) -> float | None:
+        """The scan's predicted summed KLD of the first of ``spec_names`` it scanned (None: none, or not finite)."""
         if not self.scan:
             return None
         from kveval.tasks.sensitivity.planner import uniform_prediction
 
-        scanned = self.scan.get("sensitivity", {}).get("specs") or []
-        for s in spec_names:
-            if s in scanned:
-                return uniform_prediction(self.scan, s)
+        section = self.scan.get("sensitivity")
+        scanned = section.get("specs") if isinstance(section, dict) else None
+        for s in scanned if isinstance(scanned, list) else []:
+            if s in spec_names:
+                try:
+                    value = uniform_prediction(self.scan, s)
+                except (KeyError, TypeError, ValueError, AttributeError):
+                    return None  # a scan whose cells a hand edit broke: no prediction rather than a wrong one
+                return float(value) if is_finite_number(value) else None
         return None
 
 
 def _same_policy(cfg, preset: str) -> bool:
     try:
         return KVPolicy.from_config(cfg, name=preset).to_config() == KVPolicy.preset(preset).to_config()
-    except KvevalError:
+    except (KvevalError, TypeError, ValueError, AttributeError):  # a hand-edited resolved config
         return False
 
 
@@ -353,18 +364,17 @@ def load_target(target: str) -> tuple[dict[str, KVPolicy], Arch, int, str, dict 
         side = read_plan_file(path)
         try:
             arch = Arch.from_dict(side["arch"])
-            context = int(side["context"])
+            context = side["context"]
+            if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+                raise ValueError(f"context is {context!r}, not a token count")
             policy = KVPolicy.from_config(side["policy"], name="planned")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise KvevalError(f"plan: '{path}' lacks its arch, context or policy ({type(exc).__name__})") from None
-        config = side.get("config") or "CONFIG"
-        model = "MODEL"
-        if isinstance(side.get("config"), str) and Path(side["config"]).is_file():
-            import yaml
-
-            raw = yaml.safe_load(Path(side["config"]).read_text()) or {}
-            m = raw.get("model")
-            model = m if isinstance(m, str) else (m or {}).get("name", "MODEL")
+        except KvevalError as exc:
+            raise KvevalError(f"plan: '{path}': {exc}; rerun kveval plan") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise KvevalError(f"plan: '{path}' lacks a valid arch, context or policy ({type(exc).__name__}: "
+                              f"{str(exc)[:120]}); rerun kveval plan") from None
+        config = side.get("config") if isinstance(side.get("config"), str) else "CONFIG"
+        model = _model_of_config(config)
         scan, scan_name = _scan_of(side)
         return {"planned": policy}, arch, context, model, scan, scan_name, config
     from kveval.config import load_config
@@ -378,6 +388,22 @@ def load_target(target: str) -> tuple[dict[str, KVPolicy], Arch, int, str, dict 
     if cfg.plan:
         scan, scan_name = _scan_of(read_plan_file(cfg.plan))
     return cfg.policies(), arch, context, cfg.model.name, scan, scan_name, str(path)
+
+
+def _model_of_config(config: str) -> str:
+    """The model name of the config a plan was made for; ``MODEL`` when it is gone, unreadable, not YAML or names
+    no model (the plan still deploys, with the placeholder)."""
+    from kveval.schema import load_yaml, read_text_file
+
+    if not Path(config).is_file():
+        return "MODEL"
+    try:
+        raw = load_yaml(read_text_file(Path(config), "config"), config)
+    except KvevalError:
+        return "MODEL"
+    m = raw.get("model") if isinstance(raw, dict) else None
+    name = m if isinstance(m, str) else m.get("name") if isinstance(m, dict) else None
+    return name if isinstance(name, str) and name else "MODEL"
 
 
 def _scan_of(side: dict) -> tuple[dict | None, str]:
@@ -437,6 +463,8 @@ def deploy_command(target: str, run_dir: str | None = None, engines: list[str] |
         from kveval.results import read_config, read_metrics
 
         costs.run, costs.run_name = read_metrics(run_dir), str(run_dir)
-        costs.run_policies = ((read_config(run_dir).get("kv") or {}).get("policies") or {})
+        kv = read_config(run_dir).get("kv")
+        run_policies = kv.get("policies") if isinstance(kv, dict) else None
+        costs.run_policies = run_policies if isinstance(run_policies, dict) else {}
     deps = deploy(policies, arch, context, model or model_name, costs, engines, hint)
     return render(deps, arch, context, hint)
