@@ -41,6 +41,38 @@ def _unlink_quietly(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _writer_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's process (or a number we cannot ask about): leave its folder alone
+    return True
+
+
+def remove_stale_folders(path: Path) -> list[Path]:
+    """Delete the temporary folders of ``path`` written with the writer's pid (``.<name>.<random>.pid<PID>``:
+    :func:`atomic_path` with ``folder`` and ``suffix=f".pid{os.getpid()}"``) whose writer is no longer running:
+    what a writer killed part-way (SIGKILL, power loss) left behind, which no ``finally`` could remove. A folder of
+    a live writer (another process writing the same target) stays. Returns the folders deleted."""
+    removed = []
+    prefix = f".{path.name}."
+    try:
+        siblings = list(path.parent.iterdir()) if path.parent.is_dir() else []
+    except OSError:
+        return removed
+    for sib in siblings:
+        rest = sib.name[len(prefix):] if sib.name.startswith(prefix) else ""
+        token, _, pid = rest.partition(".pid")
+        if not (pid.isdigit() and len(token) == 8) or sib.is_symlink() or not sib.is_dir():
+            continue
+        if int(pid) != os.getpid() and not _writer_alive(int(pid)):
+            shutil.rmtree(sib, ignore_errors=True)
+            removed.append(sib)
+    return removed
+
+
 def _fresh_sibling(path: Path, suffix: str, folder: bool) -> Path:
     """Create a new hidden sibling ``.<name>.<random><suffix>`` of ``path`` (an empty file, or an empty folder)
     with the ordinary mode (0666 or 0777 minus the umask) and return it."""

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from kveval.cli import app
 from kveval.errors import KvevalError
+from kveval.models import smollm2_gguf
 from kveval.sweep.expand import SweepFile, expand, label_of
 from kveval.sweep.load import load_sweep
 from kveval.sweep.runner import error_line
@@ -181,13 +182,13 @@ def _kill_when_recording(folder: Path, min_records: int, killed: dict) -> None:
 
 def test_failed_and_killed_runs_are_reported_then_resumed_and_finished_runs_skipped(tmp_path, ray_local):
     """Sweep 1: a good run finishes, a run with a group size the model cannot take fails at model time with its
-    one-line error, a run killed midway (SIGKILL) is reported killed; exit status 1, sweep.json and the report
+    one-line error (a GGUF file: its shape is known only once loaded, so kveval validate cannot refuse it first), a run killed midway (SIGKILL) is reported killed; exit status 1, sweep.json and the report
     say so. Sweep 2 (the same command): the finished run is skipped, the killed run resumes from its records to
     exactly the metrics of an uninterrupted run, the bad run fails again."""
     long_task = {"perplexity": {"seq_len": 64, "max_tokens": 8192, "bootstrap": 20, "noise_windows": 0}}
     path = _write(tmp_path / "s.yaml", _sweep(tmp_path, runs=[
         {"name": "good", "config": {"model": "builtin:tiny-gemma3", "kv": ["int8"]}},
-        {"name": "bad_group", "config": {"model": "builtin:tiny-llama", "kv": ["int4_g64"]}},
+        {"name": "bad_group", "config": {"model": str(smollm2_gguf()), "kv": ["int4_g128"]}},
         {"name": "killed", "config": {"model": "builtin:tiny-llama", "kv": ["int4_g32"], "tasks": [long_task]}},
     ]))
     sweep = tmp_path / "sweep"
@@ -201,12 +202,12 @@ def test_failed_and_killed_runs_are_reported_then_resumed_and_finished_runs_skip
     index = json.loads((sweep / "sweep.json").read_text())
     status = {r["name"]: (r["status"], r["error"]) for r in index["runs"]}
     assert status["good"] == ("finished", None)
-    assert status["bad_group"] == ("failed", "policy 'int4_g64': group_size 64 does not divide head_dim 32")
+    assert status["bad_group"] == ("failed", "policy 'int4_g128': group_size 128 does not divide head_dim 64")
     assert status["killed"] == ("failed", "killed by SIGKILL; rerun the sweep to resume it")
     assert index["counts"] == {"finished": 1, "failed": 2}
     report = (sweep / "report.md").read_text()
     assert "| good | builtin:tiny-gemma3 | int8 | int8 | 8.50 |" in report  # a listed run: its model and policies
-    assert "bad_group: failed: policy 'int4_g64'" in report and (sweep / "plots" / "quality_vs_memory.png").is_file()
+    assert "bad_group: failed: policy 'int4_g128'" in report and (sweep / "plots" / "quality_vs_memory.png").is_file()
     assert "good" in (sweep / "tables" / "sweep_summary.csv").read_text()
     good_metrics = (sweep / "runs" / "good" / "metrics.json").read_bytes()
     good_wall = next(r["wall_s"] for r in index["runs"] if r["name"] == "good")

@@ -16,6 +16,7 @@ of the scales file. The folder is written to a temporary sibling and moved into 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ def export_compressed_tensors(model, tokenizer, scales_path: str | Path, folder:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from kveval.fileio import atomic_path
+    from kveval.fileio import atomic_path, remove_stale_folders
     from kveval.scales.file import load_scales
 
     sf = load_scales(scales_path)
@@ -64,7 +65,8 @@ def export_compressed_tensors(model, tokenizer, scales_path: str | Path, folder:
                           "layers")
     tensors = scale_tensors(sf, names, strategy)
     folder = Path(folder).expanduser()
-    with atomic_path(folder, folder=True) as tmp:
+    remove_stale_folders(Path(folder))  # the partial folder of an export killed part-way (its pid is gone)
+    with atomic_path(folder, folder=True, suffix=f".pid{os.getpid()}") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         cfg_path = tmp / "config.json"

@@ -44,12 +44,13 @@ def resolve_arch(model: str | None = None, shape: str | None = None, layers: int
 def _fitting(arch: Arch, names) -> tuple[list[str], list[str]]:
     """(the policies of ``names`` that can be laid out on ``arch``, those that cannot)."""
     from kveval.memory.bill import as_policy
-    from kveval.memory.fit import check_policy
+    from kveval.memory.fit import check_design, check_policy
 
     fit, left = [], []
     for name in names:
         try:
             check_policy(arch, as_policy(name))
+            check_design(arch, as_policy(name))
             fit.append(name)
         except KvevalError:
             left.append(name)
@@ -95,6 +96,12 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
     skipped: list[str] = []
     if kv is None:  # the default policies: those that cannot be laid out on this model are left out, and said so
         kv, skipped = _fitting(arch, DEFAULT_POLICIES)
+    else:  # a policy asked for by name is billed only on a design it models (never vLLM's fp8_ds_mla on GQA)
+        from kveval.memory.bill import as_policy
+        from kveval.memory.fit import check_design
+
+        for name in ([n.strip() for n in kv.split(",") if n.strip()] if isinstance(kv, str) else kv):
+            check_design(arch, as_policy(name))
     doc = memory_json(arch, kv, context, batch, gpu_memory, block_size)
     if json_output:
         return json.dumps(doc, indent=2)

@@ -42,6 +42,7 @@ def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
         check_model_source(cfg.model.name, cfg.model.trust_remote_code)
         _check_windows_fit(cfg)
         _check_weight_widths(cfg)
+        _check_policies_fit(cfg)
         from kveval.weights.spec import check_variant_files
 
         check_variant_files(cfg.model.weight_variants())
@@ -129,6 +130,40 @@ def _model_dims(name: str) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _known_arch(name: str):
+    """The model's shape when it is known without loading the model (the builtins, a local folder's config.json, a
+    hub id whose config.json is in the local cache); None otherwise (a GGUF file: the run checks the loaded model)."""
+    from kveval.memory import Arch
+
+    if name == "builtin:smollm2-135m":
+        return Arch.named("smollm2-135m")
+    data = _model_dims(name)
+    if data is None and "/" in name and not name.startswith((".", "/", "~")):
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(name, "config.json")
+        except ValueError:
+            cached = None
+        data = _model_dims(str(Path(cached).parent)) if isinstance(cached, str) else None
+    return None if data is None else Arch.from_model_config(data, name=name)
+
+
+def _check_policies_fit(cfg: ExperimentConfig) -> None:
+    """Each policy laid out on the model and on its attention design, as the run's patching checks them
+    (:func:`kveval.memory.fit.check_policy` and :func:`~kveval.memory.fit.check_design`: group sizes that divide
+    head_dim, or an MLA model's latent and RoPE widths; a preset written for another design), when the model's
+    shape is known without loading it."""
+    arch = _known_arch(cfg.model.name)
+    if arch is None:
+        return
+    from kveval.memory.fit import check_design, check_policy
+
+    for policy in cfg.policies().values():
+        check_design(arch, policy)  # first: a preset of another design is named as such, not by its widths
+        check_policy(arch, policy)
+
+
 def _check_weight_widths(cfg: ExperimentConfig) -> None:
     """Weight variants whose group size cannot tile the model's projections, when the model's widths are known
     without loading it (the run checks every loaded matrix again, for every model)."""
@@ -139,6 +174,18 @@ def _check_weight_widths(cfg: ExperimentConfig) -> None:
     widths = widths_from_config(_model_dims(cfg.model.name))
     if widths is not None:
         check_widths(cfg.model.weight_variants(), widths, cfg.model.name)
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a folder can really be made in ``folder`` (made and removed at once): ``os.access`` says yes to root
+    on a read-only file system or a folder the kernel will not write (``/proc``, ``/sys``)."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kveval-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def check_writable_path(path: Path, what: str, *, folder: bool) -> None:
@@ -165,6 +212,6 @@ def check_writable_path(path: Path, what: str, *, folder: bool) -> None:
             target = target.parent
         if not target.is_dir():
             raise KvevalError(f"{what} '{path}': '{target}' is a file, so no folder can be made under it")
-    if not os.access(target, os.W_OK | os.X_OK):
+    if not os.access(target, os.W_OK | os.X_OK) or not _can_create_in(target):
         raise KvevalError(f"{what} '{path}': '{target}' is not writable (permission denied or a read-only file "
                           "system); choose another output")

@@ -155,8 +155,11 @@ def _positive(value: Any) -> bool:
 
 def _mla_of(cfg: _ConfigView, heads: int) -> Mla | None:
     rank = cfg.get("kv_lora_rank")
-    if not _positive(rank):
+    if rank is None:
         return None
+    if not _positive(rank):  # a zero or negative latent: not MLA, and not the per-head K/V it would be billed as
+        raise KvevalError(f"the model config's kv_lora_rank is {rank!r}: an MLA latent needs a positive width; fix "
+                          "the config (or remove kv_lora_rank for a model without MLA)")
     dims = [cfg.get(k) for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")]
     if not all(_positive(d) for d in dims):
         raise KvevalError("an MLA config (kv_lora_rank) needs qk_rope_head_dim, qk_nope_head_dim and v_head_dim")

@@ -445,7 +445,12 @@ def token_klds(res: RunResults) -> dict[str, np.ndarray]:
         if g.empty or not all(isinstance(v, list) for v in g["kld_values"]):
             continue
         g = g.sort_values("window")
-        out[name] = np.concatenate([np.asarray(v, dtype=np.float32) for v in g["kld_values"]])
+        try:
+            values = np.concatenate([np.asarray(v, dtype=np.float32) for v in g["kld_values"]])
+        except (TypeError, ValueError):  # a hand-edited record (strings, nested lists): no plot of its policy
+            continue
+        if np.isfinite(values).all():  # a NaN or an infinity there is damage, not a KLD
+            out[name] = values
     return out
 
 

@@ -37,7 +37,12 @@ def safetensors_files(folder: Path, where: str) -> list[Path]:
         if missing:
             raise checkpoint_error(where, f"{index.name} names {missing[0]}, which is not in the folder")
         return files
-    return sorted(folder.glob("*.safetensors"))
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:  # a FIFO or a device (or a link to one) would block or stream forever when opened
+        if not f.is_file():
+            raise checkpoint_error(where, f"{f.name} is not a regular file (a pipe, a device or a broken link); "
+                                          "a safetensors shard must be a file")
+    return files
 
 
 def read_scale_tensors(folder: str | Path) -> dict[tuple[int, str], tuple[str, torch.Tensor]]:

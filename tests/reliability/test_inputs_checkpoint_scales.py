@@ -107,3 +107,52 @@ def test_a_pre_rope_policy_cannot_take_checkpoint_scales(h, tmp_path, plain_fold
     result, out = _run(h, tmp_path, folder, kv=[{"p": {"preset": "vllm_fp8", "pre_rope": True}}])
     h.assert_user_error(result, "policy 'p'", "post-RoPE", strict=False)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_a_shard_that_is_a_fifo_is_refused_before_it_is_opened(tmp_path, link):
+    """A FIFO named like a shard (or a symbolic link to one) blocked the run forever in open(); it is refused in one
+    line (a thread keeps a regression from hanging the suite)."""
+    import os
+    import threading
+
+    from kveval.errors import KvevalError
+    from kveval.scales.checkpoint_tensors import read_scale_tensors
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    fifo = tmp_path / "pipe" if link else folder / "model.safetensors"
+    os.mkfifo(fifo)
+    if link:
+        (folder / "model.safetensors").symlink_to(fifo)
+    outcome: list = []
+
+    def read():
+        try:
+            read_scale_tensors(folder)
+            outcome.append("read")
+        except KvevalError as exc:
+            outcome.append(str(exc))
+
+    worker = threading.Thread(target=read, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert outcome and "not a regular file" in outcome[0], outcome or "read_scale_tensors blocked on the FIFO"
+
+
+def test_a_shard_linked_into_the_hub_cache_layout_is_read(tmp_path):
+    """The hub's cache keeps a snapshot's files as symbolic links to blobs: such a shard is followed and read."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kveval.scales.checkpoint_tensors import read_scale_tensors
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+               "model.layers.0.self_attn.v_scale": torch.tensor(0.25)}, str(blobs / "0123"))
+    (snapshot / "model.safetensors").symlink_to("../../blobs/0123")
+    got = read_scale_tensors(snapshot)
+    assert float(got[(0, "key")][1]) == 0.5 and float(got[(0, "value")][1]) == 0.25

@@ -92,3 +92,14 @@ def test_the_printed_download_command_is_a_program(monkeypatch):
     code = re.search(r'python -c "([^"]+)"', str(e.value))
     assert code is not None, str(e.value)
     ast.parse(code.group(1))
+
+
+def test_a_cached_hub_models_shape_is_checked_without_loading_it(h, tmp_path, hub_cache):
+    """The cached config.json gives the shape: a group size that does not divide its head_dim is refused at
+    validate, as the run would refuse it after loading the weights."""
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_size": 256, "head_dim": 64, "intermediate_size": 512, "vocab_size": 1000}
+    for name, text in (("config.json", json.dumps(config)), ("tokenizer.json", "{}"), ("model.safetensors", "")):
+        hub_cache(name, text)
+    h.assert_user_error(_validate(h, tmp_path, model=REPO, kv=["int4_g128"]), "group_size 128 does not divide "
+                        "head_dim 64")

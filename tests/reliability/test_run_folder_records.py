@@ -301,3 +301,56 @@ def test_files_get_the_ordinary_mode(tmp_path, monkeypatch, umask, mode):
         assert stat.S_IMODE(p.stat().st_mode) == mode, (p, oct(p.stat().st_mode))
     for d in (out, out / "tables", out / "plots"):
         assert stat.S_IMODE(d.stat().st_mode) == 0o777 & ~umask, d
+
+
+@pytest.mark.parametrize("damage", ["nan_kld", "negative_kld", "extra_value", "string_value", "negated_count",
+                                    "p_diff_out_of_range", "nan_sum"])
+def test_damaged_per_token_statistics_are_one_line_never_a_nan_statistic(run_copy, damage):
+    """Per-token statistics of a record read back on resume (kld_values, p_diff_values, llama_sums, the sums):
+    NaN, negative, one value too many, a string, a negated count. The run stops in one line naming the window and
+    the field (metrics.json keeps its numbers, records.jsonl is untouched) instead of writing a NaN percentile or a
+    PPL of 10^7."""
+    path, out, metrics = run_copy
+    lines = lines_of(out)
+    i = next(k for k, line in enumerate(lines) if '"kld_values"' in line)
+    rec = json.loads(lines[i])
+    if damage == "nan_kld":
+        rec["kld_values"][3] = float("nan")
+    elif damage == "negative_kld":
+        rec["kld_values"][0] = -5.0
+    elif damage == "extra_value":
+        rec["kld_values"].append(0.1)
+    elif damage == "string_value":
+        rec["p_diff_values"][1] = "0.1"
+    elif damage == "negated_count":
+        rec["llama_sums"]["count"] = -rec["llama_sums"]["count"]
+    elif damage == "p_diff_out_of_range":
+        rec["p_diff_values"][2] = 3.0
+    else:
+        rec["llama_sums"]["kld"] = float("nan")
+    lines[i] = json.dumps(rec)
+    (out / "records.jsonl").write_text("\n".join(lines) + "\n")
+    before = (out / "records.jsonl").read_text()
+    (out / "metrics.json").unlink()  # the rerun must aggregate the records again
+    line = one_line_exit_2(CliRunner().invoke(app, ["run", str(path)]), f"window {rec['window']}", "--overwrite")
+    assert any(f in line for f in ("kld_values", "p_diff_values", "llama_sums")), line
+    assert (out / "records.jsonl").read_text() == before
+
+
+def test_a_report_skips_a_policys_damaged_per_token_klds(run_copy):
+    """The report of a finished run whose records were edited afterwards: the per-token plot leaves the damaged
+    policy out instead of failing (and blaming metrics.json)."""
+    from kveval.report import load
+    from kveval.report.plots import token_klds
+
+    _, out, _ = run_copy
+    assert "int8" in token_klds(load(out))
+    lines = lines_of(out)
+    i = next(k for k, line in enumerate(lines) if '"kld_values"' in line)
+    rec = json.loads(lines[i])
+    rec["kld_values"][0] = float("nan")
+    lines[i] = json.dumps(rec)
+    (out / "records.jsonl").write_text("\n".join(lines) + "\n")
+    assert "int8" not in token_klds(load(out))
+    result = CliRunner().invoke(app, ["report", str(out)])
+    assert result.exit_code == 0, result.output

@@ -79,7 +79,46 @@ def _layer_summary(records: list[dict]) -> list[dict]:
     return out
 
 
+#: how far below 0 a recorded per-token KLD may lie (float rounding of a sum of terms that cancel); a KLD is >= 0
+KLD_ROUNDING = 1e-6
+
+
+def check_window_record(r: dict) -> None:
+    """ValueError naming what is wrong with a window record's numbers (a record read back on resume that was
+    edited, or written by a broken writer): ``n_tokens`` a positive count, ``nll_sum`` / ``kld_sum`` / ``agree_sum``
+    finite, and, when present, ``kld_values`` and ``p_diff_values`` lists of ``n_tokens`` finite numbers (KLD >= 0,
+    Δp in [-1, 1]) and ``llama_sums`` finite sums of ``count == n_tokens`` tokens. Fresh records always pass."""
+    where = f"window {r.get('window')} of {r.get('policy')}"
+    n = r.get("n_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{where}: n_tokens is {n!r}")
+    for key in ("nll_sum", "kld_sum", "agree_sum"):
+        v = r.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            raise ValueError(f"{where}: {key} is {v!r}, not a finite number")
+    for key, lo, hi in (("kld_values", -KLD_ROUNDING, math.inf), ("p_diff_values", -1.0, 1.0)):
+        if key not in r:
+            continue
+        values = r[key]
+        if not isinstance(values, list) or len(values) != n:
+            got = f"{len(values)} values" if isinstance(values, list) else type(values).__name__
+            raise ValueError(f"{where}: {key} holds {got} for {n} tokens")
+        bad = next((v for v in values if not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              and math.isfinite(v) and lo <= v <= hi)), None)
+        if bad is not None or any(isinstance(v, bool) for v in values):
+            raise ValueError(f"{where}: {key} holds {bad!r}, not a {'KLD' if key == 'kld_values' else 'Δp'}")
+    sums = r.get("llama_sums")
+    if sums is not None:
+        if not isinstance(sums, dict) or sums.get("count") != n:
+            raise ValueError(f"{where}: llama_sums counts {sums.get('count') if isinstance(sums, dict) else sums!r} "
+                             f"tokens, the record {n}")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in sums.values()):
+            raise ValueError(f"{where}: llama_sums holds a value that is not a finite number")
+
+
 def _summarise(records: list[dict], params: Params, seed: int) -> dict:
+    for r in records:
+        check_window_record(r)
     records = sorted(records, key=lambda r: r["window"])
     n = sum(r["n_tokens"] for r in records)
     nll = sum(r["nll_sum"] for r in records)
