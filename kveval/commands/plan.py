@@ -4,16 +4,29 @@ and a ``.plan.json`` sidecar."""
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import yaml
 
+from kveval.errors import KvevalError
 from kveval.memory import fp16_bytes, kv_bytes
 from kveval.tasks.sensitivity.planner import GENERATED_DIR, nearest_uniform, plan, uniform_prediction
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]+", "_", text).strip("_") or "plan"
+
+
+def _check_same_model(scan_dir: Path, resolved: dict, metrics: dict) -> None:
+    """KvevalError when the scan folder's config and metrics name different models (files of two runs mixed by
+    hand): a plan needs to know which model it was measured on."""
+    model = resolved.get("model")
+    name = model.get("name") if isinstance(model, dict) else model
+    measured = metrics.get("model")
+    if isinstance(name, str) and isinstance(measured, str) and name != measured:
+        raise KvevalError(f"scan folder {scan_dir}: config.resolved.yaml names model {name!r} but metrics.json was "
+                          f"measured on {measured!r}; rerun the scan (kveval scan CONFIG) to rebuild the folder")
 
 
 def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context: int | None = None,
@@ -31,7 +44,11 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     scan_dir = Path(scan_dir)
     metrics = read_metrics(scan_dir)
     resolved = read_config(scan_dir)
+    _check_same_model(scan_dir, resolved, metrics)
     p = plan(metrics, budget, context=context, allow_fp=allow_fp, engine=engine)
+    if engine == "transformers" and p.arch.sliding_layers:  # QuantizedCache refuses such a model (kveval deploy)
+        raise KvevalError(f"--engine transformers: transformers' QuantizedCache has no sliding-window layers and "
+                          f"this model has {len(p.arch.sliding_layers)}; plan for another engine, or without --engine")
     name = _slug(f"{metrics.get('run', 'scan')}_plan_{p.budget.text}" + (f"_{engine}" if engine else ""))
     path = Path(out) if out else GENERATED_DIR / f"{name}.yaml"
     if path.suffix not in (".yaml", ".yml"):
@@ -108,5 +125,5 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     print("  layers per spec (K, V): " + ", ".join(f"{s} {k}/{v}" for s, (k, v) in counts.items()))
     for s in uniform:
         print(f"  uniform {s}: {bills[s].bits_per_element:.4f} bits/element, predicted summed KLD {predictions[s]:.4g}")
-    print(f"config: {path}   run it: kveval run {path}")
+    print(f"config: {path}   run it: {shlex.join(['kveval', 'run', str(path)])}")
     return str(path)

@@ -67,15 +67,34 @@ def load_model(
     return _finish(model, tok, name, dev, torch_dtype, placement)
 
 
+@contextlib.contextmanager
+def quiet_quantization_progress():
+    """compressed-tensors draws a progress bar ("Applying quantization config") on stderr while transformers loads a
+    checkpoint with a ``quantization_config``, whatever ``-q`` says, and before any one-line error that follows:
+    its loop runs without one here. (Its module imports ``tqdm`` by name; nothing else of it changes.)"""
+    try:
+        from compressed_tensors.quantization.lifecycle import apply as ct_apply
+    except ImportError:  # compressed-tensors is not installed (Python 3.10): there is no bar to hide
+        yield
+        return
+    saved = getattr(ct_apply, "tqdm", None)
+    ct_apply.tqdm = lambda iterable=None, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        ct_apply.tqdm = saved
+
+
 def _load_folder(path: Path, dtype: torch.dtype, trust_remote_code: bool, placement: Placement | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_folder(path, trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
-                                                     trust_remote_code=trust_remote_code, use_safetensors=True,
-                                                     **pretrained_placement(placement, dtype))
+        with quiet_quantization_progress():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                         trust_remote_code=trust_remote_code, use_safetensors=True,
+                                                         **pretrained_placement(placement, dtype))
     except KvevalError:
         raise
     except Exception as e:  # noqa: BLE001 - a folder's files meet transformers, safetensors and tokenizers, whose
@@ -90,9 +109,10 @@ def _load_hub(name: str, dtype: torch.dtype, trust_remote_code: bool, placement:
     with hub_guard() as offline:
         try:
             tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa",
-                                                         trust_remote_code=trust_remote_code, use_safetensors=True,
-                                                         **pretrained_placement(placement, dtype))
+            with quiet_quantization_progress():
+                model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa",
+                                                             trust_remote_code=trust_remote_code,
+                                                             use_safetensors=True, **pretrained_placement(placement, dtype))
         except (OSError, ValueError) as e:  # hub errors are OSError subclasses; bad repo ids are ValueError
             if offline or is_connection_error(e):
                 raise KvevalError(f"model {name!r} is not in the local HuggingFace cache and the hub cannot be "

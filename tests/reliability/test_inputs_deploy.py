@@ -93,3 +93,40 @@ def test_a_resolved_config_whose_kv_is_not_a_mapping(h, plan_file, run_folder, k
     result = h.invoke("deploy", plan_file, "--engine", "llamacpp", "--run", run_folder)
     assert result.exit_code == 0, result.output
     assert "KLD 0.0009, ΔPPL +0.20% (measured" in result.output
+
+
+def test_plan_for_transformers_on_a_sliding_window_model_is_refused(h, tmp_path):
+    """transformers' QuantizedCache refuses a model with sliding-window layers, so a plan "for transformers" of one
+    is one line before anything is written."""
+    folder = _scan(tmp_path / "scan")
+    metrics = json.loads((folder / "metrics.json").read_text())
+    metrics["memory"]["arch"].update(sliding_window=8, sliding_layers=[0, 1])
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    h.assert_user_error(h.invoke("plan", folder, "--budget", "9", "--engine", "transformers", "-o",
+                                 tmp_path / "p.yaml"), "sliding-window", "--engine transformers")
+    assert not (tmp_path / "p.yaml").exists()
+    assert h.invoke("plan", folder, "--budget", "9", "-o", tmp_path / "p.yaml").exit_code == 0  # without --engine
+
+
+def test_a_scan_folder_whose_config_and_metrics_name_different_models(h, tmp_path):
+    folder = _scan(tmp_path / "scan")
+    (folder / "config.resolved.yaml").write_text(yaml.safe_dump({"model": {"name": "builtin:tiny-llama"},
+                                                                  "data": "builtin", "seed": 0}))
+    h.assert_user_error(h.invoke("plan", folder, "--budget", "9", "-o", tmp_path / "p.yaml"),
+                        "builtin:tiny-llama", "builtin:smollm2-135m", "rerun the scan")
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_the_printed_run_line_of_a_plan_pastes_back(h, tmp_path):
+    """A plan written under a folder with a space: the printed `run it:` line, split as a shell would, names the
+    config, and kveval validate accepts it."""
+    import re
+    import shlex
+
+    folder = _scan(tmp_path / "scan")
+    out = tmp_path / "my plans" / "p.yaml"
+    result = h.invoke("plan", folder, "--budget", "9", "-o", out)
+    assert result.exit_code == 0, result.output
+    argv = shlex.split(re.search(r"run it: (.*)$", result.output, flags=re.M).group(1))
+    assert argv == ["kveval", "run", str(out)]
+    assert h.invoke("validate", *argv[2:], "-o", tmp_path / "o").exit_code == 0
