@@ -259,3 +259,15 @@ def test_plot_titles_name_the_model_not_the_run(full_run):
         titles = [fig.get_suptitle()] + [ax.get_title() for ax in fig.axes]
         assert not any(t.startswith(f"{res.name}:") for t in titles), (name, titles)
         assert any(model in t for t in titles), (name, titles)
+
+
+def test_the_reports_next_steps_paste_back_from_a_folder_with_a_space(tmp_path):
+    """The "rebuild this report" line of a run in a folder whose name has a space and a ';' splits, as a shell
+    would split it, into exactly `kveval report FOLDER`."""
+    import shlex
+
+    path = write_synthetic_run(tmp_path / "my runs; x" / "r")
+    out = report_command([path], None)
+    md = (out / "report.md").read_text()
+    line = md.split("# rebuild this report\n", 1)[1].splitlines()[0]
+    assert shlex.split(line) == ["kveval", "report", str(path)]

@@ -146,7 +146,12 @@ def _known_arch(name: str):
         except ValueError:
             cached = None
         data = _model_dims(str(Path(cached).parent)) if isinstance(cached, str) else None
-    return None if data is None else Arch.from_model_config(data, name=name)
+    if data is None:
+        return None
+    try:
+        return Arch.from_model_config(data, name=name)
+    except KvevalError:  # a raw config.json in another vocabulary (GPT-2's n_layer): the run checks the loaded model
+        return None
 
 
 def _check_policies_fit(cfg: ExperimentConfig) -> None:

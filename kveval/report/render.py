@@ -11,6 +11,7 @@ plug-in (:mod:`kveval.report.sections`), and "Reading" is :mod:`kveval.report.re
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Sequence
 from datetime import date, datetime
 from pathlib import Path
@@ -231,7 +232,7 @@ def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block
     b.append(Block("table", _env_table(r), caption="Environment of the run"))
     cmd = reproduce_command(r.env)
     lines = [f"# rerun (results into {r.path})", cmd or "# (the run's command was not recorded)",
-             "# rebuild this report", f"kveval report {r.path}"]
+             "# rebuild this report", shlex.join(["kveval", "report", str(r.path)])]
     b.append(Block("code", "\n".join(lines)))
     return b
 
@@ -310,7 +311,7 @@ def _task_words(r: RunResults, label: str) -> str:
 def reproduce_command(env: dict) -> str | None:
     """The command that made the run, overrides included: ``argv`` with the program shown as ``kveval``
     (else env.json's ``command``)."""
-    import shlex
+
 
     argv = env.get("argv")
     if isinstance(argv, list) and len(argv) > 1 and Path(str(argv[0])).name in ("kveval", "__main__.py"):
