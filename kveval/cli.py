@@ -388,6 +388,8 @@ def memory(
     batch: Annotated[str, typer.Option(help="Sequences (1, 64, 1k).")] = "1",
     kv: Annotated[str | None, typer.Option(help="Comma-separated policies (default: a representative set).")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="GPU memory for max batch, e.g. 80GiB.")] = None,
+    gpu: Annotated[str | None, typer.Option(help="Decode roofline on this GPU: h200, h100, a100, l40s, rtx4090, or a "
+                                                 "bandwidth such as 3.35TB/s (its memory sizes max batch too).")] = None,
     block_size: Annotated[int, typer.Option(help="Paged-attention block size in tokens.")] = 16,
     json_output: Annotated[bool, typer.Option("--json", help="Print the documented JSON schema instead of a table.")] = False,
 ):
@@ -398,7 +400,7 @@ def memory(
     print(memory_command(
         model=model, shape=shape, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
         context=parse_count(context, "--context"), batch=parse_count(batch, "--batch"),
-        kv=kv, gpu_memory=gpu_memory, block_size=block_size, json_output=json_output,
+        kv=kv, gpu_memory=gpu_memory, block_size=block_size, json_output=json_output, gpu=gpu,
     ), end="")
 
 

@@ -90,8 +90,17 @@ def render_table(rows: list[dict], title: str | None = None):
 def memory_command(model: str | None = None, shape: str | None = None, layers: int | None = None,
                    kv_heads: int | None = None, head_dim: int | None = None, context: int = 2048, batch: int = 1,
                    kv: str | list[str] | None = None, gpu_memory: str | int | None = None,
-                   block_size: int = DEFAULT_BLOCK_SIZE, json_output: bool = False) -> str:
-    """What ``kveval memory`` prints: the JSON document (``json_output``) or the rendered table with a heading."""
+                   block_size: int = DEFAULT_BLOCK_SIZE, json_output: bool = False, gpu: str | None = None) -> str:
+    """What ``kveval memory`` prints: the JSON document (``json_output``) or the rendered table with a heading.
+    ``gpu``: add the decode roofline (:mod:`kveval.memory.roofline`) per policy at this batch and context; a named
+    GPU's memory is the max batch's unless ``gpu_memory`` is given."""
+    roofline_gpu = None
+    if gpu is not None:
+        from kveval.memory.roofline import parse_gpu
+
+        roofline_gpu = parse_gpu(gpu)
+        if gpu_memory is None and roofline_gpu.memory is not None:
+            gpu_memory = roofline_gpu.memory
     arch = resolve_arch(model=model, shape=shape, layers=layers, kv_heads=kv_heads, head_dim=head_dim)
     skipped: list[str] = []
     if kv is None:  # the default policies: those that cannot be laid out on this model are left out, and said so
@@ -103,6 +112,14 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
         for name in ([n.strip() for n in kv.split(",") if n.strip()] if isinstance(kv, str) else kv):
             check_design(arch, as_policy(name))
     doc = memory_json(arch, kv, context, batch, gpu_memory, block_size)
+    if roofline_gpu is not None:
+        from kveval.memory.roofline import decode_roofline
+
+        for row, name in zip(doc["rows"], _names(kv)):
+            row["decode"] = decode_roofline(arch, name, context, batch, roofline_gpu)
+        doc["gpu"] = {"name": roofline_gpu.name, "bandwidth_bytes_per_s": roofline_gpu.bandwidth,
+                      "memory_bytes": roofline_gpu.memory, "source": roofline_gpu.source,
+                      "model": "bandwidth roofline: tokens/s <= batch * bandwidth / (weights + batch * cache)"}
     if json_output:
         return json.dumps(doc, indent=2)
     from rich.console import Console
@@ -129,4 +146,31 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
     console = Console(file=buf, width=max(100, len(heading)), color_system=None, force_terminal=False)
     console.print(heading, highlight=False, markup=False, soft_wrap=True)
     console.print(render_table(doc["rows"]))
+    if roofline_gpu is not None:
+        console.print(render_roofline(doc["rows"], roofline_gpu, batch), highlight=False, markup=False,
+                      soft_wrap=True)
     return buf.getvalue().rstrip() + "\n"
+
+
+def _names(kv) -> list:
+    return [n.strip() for n in kv.split(",") if n.strip()] if isinstance(kv, str) else list(kv)
+
+
+def render_roofline(rows: list[dict], gpu, batch: int):
+    """The decode roofline table (rows with ``decode``) under a heading that says what the numbers are."""
+    from rich.console import Group
+    from rich.table import Table
+
+    heading = (f"Decode roofline on {gpu.name} ({gpu.bandwidth / 1e12:.3g} TB/s; {gpu.source}): a bound, not a "
+               f"measurement. Each step reads the weights once and the {batch} sequence(s)' caches; tokens/s <= "
+               "batch x bandwidth / bytes read.")
+    table = Table()
+    for col in ("policy", "bytes read per step", "tokens/s ceiling", "vs FP16", "cache outweighs weights from batch"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rows:
+        d = r["decode"]
+        table.add_row(r["policy"], format_bytes(d["step_bytes"]),
+                      f"{d['tokens_per_s']:,.0f}" + ("" if d["fits"] else " (does not fit)"),
+                      f"{d['speedup_vs_fp16']:.2f}x",
+                      "-" if d["cache_dominates_batch"] is None else f"{d['cache_dominates_batch']:,}")
+    return Group(heading, table)
