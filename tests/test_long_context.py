@@ -323,3 +323,26 @@ def test_a_window_at_the_model_context_bins_kld_by_absolute_position(tmp_path, m
     kld = compare_logits(base, emulated_logits(model, ids, policy)[0, :-1], ids[0, 1:])["kld"]
     want = [float(kld[lo:hi].mean()) for lo, hi in [(0, 512), (512, 1024), (1024, 1536), (1536, 2047)]]
     assert got["kld_by_position"] == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+def test_one_emulated_pass_at_32k_tokens_needs_memory_linear_in_the_context():
+    """The live peak of one emulated forward pass over 32,768 tokens of builtin:tiny-llama under vllm_fp8_fa3 (an
+    attention hook, which builds a bool mask of its queries x keys: it used to be one 32k x 32k mask, 1 GiB, plus
+    its padded copy) stays under a bound linear in T computed from the shapes: eight float32 copies of a layer's
+    widest activations per token (hidden, the MLP's gate and up, the query and the key/value heads), plus 16 MiB."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_long_context import live_peak_bytes, one_pass, tiny
+
+    model = tiny("tiny-llama")
+    c = model.config
+    T = 32768
+    per_token = 4 * 8 * (c.hidden_size + 2 * c.intermediate_size + 2 * c.num_attention_heads * c.head_dim
+                         + 2 * c.num_key_value_heads * c.head_dim)
+    bound = 16 * 2**20 + T * per_token
+    assert bound < T * T  # a T x T bool mask (1 GiB) alone would break it
+    ids = torch.randint(4, c.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    peak = live_peak_bytes(one_pass(model, ids, "vllm_fp8_fa3"))
+    assert 0 < peak <= bound, (peak / 2**20, bound / 2**20)

@@ -202,6 +202,10 @@ def test_failed_and_killed_runs_are_reported_then_resumed_and_finished_runs_skip
     index = json.loads((sweep / "sweep.json").read_text())
     status = {r["name"]: (r["status"], r["error"]) for r in index["runs"]}
     assert status["good"] == ("finished", None)
+    import ray
+
+    nodes = {r["node"] for r in index["runs"] if r["status"] == "finished"}
+    assert nodes == {ray.get_runtime_context().get_node_id()}  # the Ray node each run ran on (one here)
     assert status["bad_group"] == ("failed", "policy 'int4_g128': group_size 128 does not divide head_dim 64")
     assert status["killed"] == ("failed", "killed by SIGKILL; rerun the sweep to resume it")
     assert index["counts"] == {"finished": 1, "failed": 2}
@@ -277,3 +281,23 @@ def test_ctrl_c_stops_the_runs_cleanly_and_exits_130(tmp_path, ray_local):
     log = (tmp_path / "sweep" / "logs" / "long.log").read_text().strip().splitlines()
     assert log[-1].startswith("interrupted; rerun the same command")  # kveval run's own clean exit
     assert holder(folder) is None and not (folder / "metrics.json").exists()
+
+
+def test_a_local_sweep_starts_its_own_ray_whatever_a_stale_cluster_file_says(monkeypatch):
+    """A Ray killed earlier leaves /tmp/ray/ray_current_cluster; `ray.init()` without an address would try to join
+    that dead cluster (and refuse num_cpus): a local session asks for address "local"."""
+    ray = pytest.importorskip("ray")
+    from kveval.sweep import runner
+
+    calls = []
+
+    def fake_init(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    with pytest.raises(KvevalError, match="cannot start a local Ray: stop here"):
+        with runner.ray_session(num_cpus=1):
+            pass
+    assert calls and calls[0]["address"] == "local" and calls[0]["num_cpus"] == 1

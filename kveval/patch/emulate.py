@@ -356,14 +356,15 @@ class LayerEmulation(QueryVersions):
         T = key.shape[-2]
         pol = self.policy
         if not pol.has_full_precision_tokens(self.prefill_len):
-            return compute(module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
+            return self._one_version(compute, module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
         # with an FP prefill, the P prompt queries see only full-precision keys: they run the model's own attention
         # over the prompt (its mask, or none: causal) and only the decoded queries attend over [k ; k̂]
         P = self.prefill_len if self.policy.prefill == "fp" and self.prefill_len < T else 0
         outs, weights = [], None
         if P:
             head = None if attention_mask is None else attention_mask[..., :P, :P]
-            outs.append(compute(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head, *args, **kwargs)[0])
+            outs.append(self._one_version(compute, module, query[:, :, :P], key[:, :, :P], value[:, :, :P], head,
+                                          *args, **kwargs)[0])
         versions = 4 if pol.split_modes else 2
         rows = max(1, min(CHUNK_ROWS, MASK_ELEMENTS // (versions * T)))
         for start in range(P, T, rows):
@@ -373,6 +374,27 @@ class LayerEmulation(QueryVersions):
             outs.append(out)
         if len(outs) == 1:
             return outs[0], weights
+        return torch.cat(outs, dim=1), None  # outputs are [batch, T, heads, head_dim]
+
+    def _one_version(self, compute, module, query, key, value, attention_mask, *args, **kwargs):
+        """Causal attention of ``query`` over one version of each token (``key``/``value`` ``[batch, kv_heads, T,
+        dim]``, as many as the queries); (output, weights). The model's own attention runs whole (its kernels need
+        no ``T x T`` mask); an attention hook (``replaces_attention``: FA3's FP8 attention...) builds a bool mask
+        of its queries x keys, so it runs ``MASK_ELEMENTS / T`` query rows at a time over the keys up to the
+        chunk's last row (the same rows, the same numbers: a row's attention reads no other row): memory linear
+        in T, never a ``T x T`` matrix."""
+        T = key.shape[-2]
+        rows = max(1, min(CHUNK_ROWS, MASK_ELEMENTS // max(T, 1)))
+        if (not self.value_q.replaces_attention or T <= rows or query.shape[-2] != T
+                or (attention_mask is None and kwargs.get("is_causal") is False)):
+            return compute(module, query, key, value, attention_mask, *args, **kwargs)
+        kwargs.pop("key_positions", None)
+        outs = []
+        for start in range(0, T, rows):
+            stop = min(start + rows, T)
+            mask = None if attention_mask is None else attention_mask[..., start:stop, :stop]
+            outs.append(compute(module, query[:, :, start:stop], key[:, :, :stop], value[:, :, :stop], mask, *args,
+                                key_positions=torch.arange(stop, device=key.device), **kwargs)[0])
         return torch.cat(outs, dim=1), None  # outputs are [batch, T, heads, head_dim]
 
     def _chunk(self, compute, module, query, key, value, k_hat, v_hat, attention_mask, T: int, start: int,

@@ -62,7 +62,8 @@ class RunTask:
 class RunOutcome:
     """One run's entry in sweep.json: ``status`` (FINISHED, SKIPPED, FAILED, INTERRUPTED), ``error`` (one line,
     None unless failed), the child's ``returncode``, ``wall_s`` (this sweep's time on it; None when skipped),
-    ``host``, ``started``/``finished`` (ISO 8601, UTC)."""
+    ``host``, ``started``/``finished`` (ISO 8601, UTC), ``node`` (the Ray node that ran it: two nodes of one host
+    tell apart by it)."""
 
     name: str
     status: str
@@ -72,6 +73,7 @@ class RunOutcome:
     host: str | None = None
     started: str | None = None
     finished: str | None = None
+    node: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,8 +208,11 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, num_gpu
         if address:
             ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         else:
-            ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
-                     logging_level="ERROR", _node_ip_address="127.0.0.1")
+            # address "local": a new Ray of this process, never the cluster a stale /tmp/ray/ray_current_cluster
+            # (left by a Ray that was killed) or RAY_ADDRESS points to ("When connecting to an existing cluster,
+            # num_cpus and num_gpus must not be provided")
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                     log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1")
     except (ConnectionError, ValueError, RuntimeError) as exc:
         where = f"the Ray cluster at {address}" if address else "a local Ray"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -252,8 +257,13 @@ class _Board:
 
 
 def _ray_task(task: RunTask, board) -> dict:
-    """The Ray task: :func:`execute_run`, telling ``board`` when the run's process has started."""
-    return execute_run(task, on_start=lambda: board.start.remote(task.name))
+    """The Ray task: :func:`execute_run`, telling ``board`` when the run's process has started; the outcome names
+    the Ray node it ran on."""
+    import ray
+
+    out = execute_run(task, on_start=lambda: board.start.remote(task.name))
+    out["node"] = ray.get_runtime_context().get_node_id()
+    return out
 
 
 def ray_options(num_cpus: float, num_gpus: float, memory: str | None) -> dict:

@@ -1,0 +1,105 @@
+"""Long contexts in bounded memory: one emulated forward pass per preset at 4k-64k tokens against the bare pass.
+
+    .venv/bin/python bench/bench_long_context.py [--lengths 4096,16384,32768] [--presets int4_g32,kivi2,...]
+                                                 [--model tiny-llama]
+
+The memory is the pass's **live peak**: the most bytes of tensors alive at once, read from PyTorch's own
+allocation records (``torch.profiler`` with ``profile_memory``: every allocation and free on the CPU, so the
+peak of their running total), not the process's RSS, whose high-water mark also counts what the C allocator keeps
+after a free (it fragments under chunks of growing size, and RSS then grows faster than what is alive). The time is
+the same pass without the profiler. Printed per length and preset: live peak MiB of the bare and the emulated pass,
+their ratio, and the ratio of the times; a path whose peak grows as ``T x T`` shows as a ratio that doubles with T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MIB = 2**20
+#: the main presets that fit a tiny model's head_dim 32 (int4_g32 for int4_g64, hf_quanto_int4 in groups of 32)
+PRESETS = ["int4_g32", "kivi2", "vllm_fp8", "vllm_fp8_fa3", "llamacpp_q4_0", "vllm_nvfp4", "int8"]
+
+
+def live_peak_bytes(fn) -> int:
+    """The most bytes of CPU tensors alive at once while ``fn()`` runs (PyTorch's allocation records), counted from
+    what was alive when it started."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    finally:
+        os.unlink(path)
+    records = [e["args"] for e in events if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    if not records:
+        return 0
+    start = records[0]["Total Allocated"] - records[0]["Bytes"]  # alive before the first allocation
+    return int(max(r["Total Allocated"] for r in records) - start)
+
+
+def one_pass(model, ids, preset: str | None):
+    """A closure: one no-grad forward over ``ids`` (last position's logits), emulated under ``preset`` if given."""
+    from kveval.patch import emulate
+    from kveval.policy import KVPolicy
+
+    def run():
+        with torch.no_grad():
+            if preset is None:
+                model(ids, logits_to_keep=1)
+            else:
+                with emulate(model, KVPolicy.preset(preset)):
+                    model(ids, logits_to_keep=1)
+    return run
+
+
+def tiny(name: str = "tiny-llama"):
+    from kveval.models.builtin import build_tiny_model
+
+    model = build_tiny_model(name)
+    model.config.max_position_embeddings = 1 << 20
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="4096,16384,32768")
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--model", default="tiny-llama")
+    args = ap.parse_args()
+    model = tiny(args.model)
+    print(f"{args.model} (float32, {torch.get_num_threads()} threads): live peak MiB of one pass, bare and emulated")
+    print(f"{'tokens':>7} {'preset':<14} {'bare MiB':>9} {'emul MiB':>9} {'ratio':>6} {'time ratio':>10}")
+    for length in (int(x) for x in args.lengths.split(",")):
+        ids = torch.randint(4, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+        bare = one_pass(model, ids, None)
+        bare_peak = live_peak_bytes(bare)
+        t0 = time.perf_counter()
+        bare()
+        bare_s = time.perf_counter() - t0
+        for preset in args.presets.split(","):
+            run = one_pass(model, ids, preset)
+            peak = live_peak_bytes(run)
+            t0 = time.perf_counter()
+            run()
+            seconds = time.perf_counter() - t0
+            print(f"{length:>7} {preset:<14} {bare_peak / MIB:>9.1f} {peak / MIB:>9.1f} {peak / bare_peak:>6.2f} "
+                  f"{seconds / bare_s:>10.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
