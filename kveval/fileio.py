@@ -41,7 +41,9 @@ def _unlink_quietly(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _writer_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` may still be running (a process of another user, or a number that cannot be asked
+    about, counts as running: its files are left alone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -67,7 +69,7 @@ def remove_stale_folders(path: Path) -> list[Path]:
         token, _, pid = rest.partition(".pid")
         if not (pid.isdigit() and len(token) == 8) or sib.is_symlink() or not sib.is_dir():
             continue
-        if int(pid) != os.getpid() and not _writer_alive(int(pid)):
+        if int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(sib, ignore_errors=True)
             removed.append(sib)
     return removed

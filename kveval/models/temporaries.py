@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kveval.fileio import pid_alive
+
 log = logging.getLogger(__name__)
 
 STALE_TEMP_SECONDS = 600  # a dead process's temporary folder without a lock file, untouched this long, is removed
@@ -27,16 +29,6 @@ LEGACY_TEMP_SECONDS = 3600  # a temporary folder of an older kveval (no process 
 LOCK_SUFFIX = ".lock"  # the lock file beside a temporary folder: ``.<name>.<random>.pid<N>.lock``
 
 _TEMP_NAME = re.compile(r"\.(?P<entry>.+-[0-9a-f]{16})\.[A-Za-z0-9_]{8}(?:\.pid(?P<pid>\d+))?")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, OSError):
-        return True  # another user's process (or a number we cannot ask about): leave its folder alone
-    return True
 
 
 def _last_change(folder: Path) -> float:
@@ -107,7 +99,7 @@ def clean_stale_temporaries(models_dir: Path, now: float | None = None) -> list[
             if lock.exists():
                 if not _lock_free(lock):
                     continue  # its conversion is still writing it
-            elif pid is not None and (_pid_alive(int(pid)) or now - _last_change(child) < STALE_TEMP_SECONDS):
+            elif pid is not None and (pid_alive(int(pid)) or now - _last_change(child) < STALE_TEMP_SECONDS):
                 continue
             elif pid is None and now - _last_change(child) < LEGACY_TEMP_SECONDS:
                 continue
