@@ -1,6 +1,6 @@
 """Long contexts in bounded memory: one emulated forward pass per preset at 4k-64k tokens against the bare pass.
 
-    .venv/bin/python bench/bench_long_context.py [--lengths 4096,16384,32768] [--presets int4_g32,kivi2,...]
+    .venv/bin/python bench/bench_long_context.py [--lengths 4096,16384,32768] [--presets all|int4_g32,kivi2,...]
                                                  [--model tiny-llama]
 
 The memory is the pass's **live peak**: the most bytes of tensors alive at once, read from PyTorch's own
@@ -9,6 +9,10 @@ peak of their running total), not the process's RSS, whose high-water mark also 
 after a free (it fragments under chunks of growing size, and RSS then grows faster than what is alive). The time is
 the same pass without the profiler. Printed per length and preset: live peak MiB of the bare and the emulated pass,
 their ratio, and the ratio of the times; a path whose peak grows as ``T x T`` shows as a ratio that doubles with T.
+With several lengths, ``growth`` is the memory ratio at the longest over the ratio at the shortest: 1.00 for a path
+linear in T, the length ratio (4.00 from 4k to 16k) for a square one. ``--presets all``: every policy preset and
+the first quantization preset of each format (as ``bench/bench_presets.py`` lists them); a preset that cannot act on
+the model (a group wider than its heads, calibrated scales) is listed as skipped with the reason.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kveval.errors import KvevalError  # noqa: E402
 
 MIB = 2**20
 #: the main presets that fit a tiny model's head_dim 32 (int4_g32 for int4_g64, hf_quanto_int4 in groups of 32)
@@ -52,17 +58,18 @@ def live_peak_bytes(fn) -> int:
     return int(max(r["Total Allocated"] for r in records) - start)
 
 
-def one_pass(model, ids, preset: str | None):
-    """A closure: one no-grad forward over ``ids`` (last position's logits), emulated under ``preset`` if given."""
+def one_pass(model, ids, policy):
+    """A closure: one no-grad forward over ``ids`` (last position's logits), emulated under ``policy`` (a KVPolicy
+    or a preset's name) if given."""
     from kveval.patch import emulate
     from kveval.policy import KVPolicy
 
     def run():
         with torch.no_grad():
-            if preset is None:
+            if policy is None:
                 model(ids, logits_to_keep=1)
             else:
-                with emulate(model, KVPolicy.preset(preset)):
+                with emulate(model, KVPolicy.preset(policy) if isinstance(policy, str) else policy):
                     model(ids, logits_to_keep=1)
     return run
 
@@ -82,23 +89,50 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-llama")
     args = ap.parse_args()
     model = tiny(args.model)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    presets = preset_list(args.presets)
     print(f"{args.model} (float32, {torch.get_num_threads()} threads): live peak MiB of one pass, bare and emulated")
-    print(f"{'tokens':>7} {'preset':<14} {'bare MiB':>9} {'emul MiB':>9} {'ratio':>6} {'time ratio':>10}")
-    for length in (int(x) for x in args.lengths.split(",")):
+    print(f"{'tokens':>7} {'preset':<28} {'bare MiB':>9} {'emul MiB':>9} {'ratio':>6} {'time ratio':>10}")
+    ratios: dict[str, list[float]] = {}
+    for length in lengths:
         ids = torch.randint(4, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
         bare = one_pass(model, ids, None)
         bare_peak = live_peak_bytes(bare)
         t0 = time.perf_counter()
         bare()
         bare_s = time.perf_counter() - t0
-        for preset in args.presets.split(","):
-            run = one_pass(model, ids, preset)
-            peak = live_peak_bytes(run)
+        for label, policy in presets:
+            if isinstance(policy, str):
+                if length == lengths[0]:
+                    print(f"{length:>7} {label:<28} skipped: {policy}", flush=True)
+                continue
+            run = one_pass(model, ids, policy)
+            try:
+                peak = live_peak_bytes(run)
+            except KvevalError as exc:  # cannot act on this model: said once, not measured again
+                print(f"{length:>7} {label:<28} skipped: {exc}", flush=True)
+                presets = [(n, str(exc) if n == label else p) for n, p in presets]
+                continue
             t0 = time.perf_counter()
             run()
             seconds = time.perf_counter() - t0
-            print(f"{length:>7} {preset:<14} {bare_peak / MIB:>9.1f} {peak / MIB:>9.1f} {peak / bare_peak:>6.2f} "
+            ratios.setdefault(label, []).append(peak / bare_peak)
+            print(f"{length:>7} {label:<28} {bare_peak / MIB:>9.1f} {peak / MIB:>9.1f} {peak / bare_peak:>6.2f} "
                   f"{seconds / bare_s:>10.2f}", flush=True)
+    if len(lengths) > 1 and ratios:
+        print(f"growth of the memory ratio from {lengths[0]} to {lengths[-1]} tokens (1.00: linear in T, "
+              f"{lengths[-1] / lengths[0]:.2f}: T x T)")
+        for label, values in sorted(ratios.items(), key=lambda kv: -kv[1][-1] / kv[1][0]):
+            if len(values) == len(lengths):
+                print(f"  {label:<28} {values[-1] / values[0]:>6.2f}")
+
+
+def preset_list(which: str) -> list[tuple[str, object]]:
+    """(label, KVPolicy or the reason it is skipped): ``all`` as bench/bench_presets.py lists every preset, else
+    the names given (``spec:NAME`` for a quantization preset as a K/V policy)."""
+    from bench.bench_presets import policies
+
+    return policies(which)
 
 
 if __name__ == "__main__":

@@ -220,12 +220,15 @@ def sweep(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check every run and list them; start nothing.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per finished run instead of a progress bar.")] = False,
     allow_code: AllowCodeOpt = False,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="The sweep's folder (the sweep file's output:, default results/sweeps/<name>); "
+                               "each run goes to its runs/<run>.")] = None,
 ):
     """Run every config of a sweep as a Ray task (kveval run in its own folder), then one report across runs."""
     from kveval.commands.sweep import sweep_command
 
     status = sweep_command(str(sweep_file), overrides, address=address, overwrite=overwrite, dry_run=dry_run,
-                           quiet=quiet, allow_code=allow_code)
+                           quiet=quiet, allow_code=allow_code, output=None if output is None else str(output))
     if status:
         raise typer.Exit(status)
 
@@ -385,7 +388,7 @@ def memory(
     kv_heads: Annotated[int | None, typer.Option(help="Explicit shape: KV heads per layer.")] = None,
     head_dim: Annotated[int | None, typer.Option(help="Explicit shape: head dimension.")] = None,
     context: Annotated[str, typer.Option(help="Tokens per sequence: 2048, 32k (32,768), 128Ki.")] = "2048",
-    batch: Annotated[str, typer.Option(help="Sequences (1, 64, 1k).")] = "1",
+    batch: Annotated[str, typer.Option(help="Sequences (1, 64, 1k), or several: 1,16,64.")] = "1",
     kv: Annotated[str | None, typer.Option(help="Comma-separated policies (default: a representative set).")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="GPU memory for max batch, e.g. 80GiB.")] = None,
     gpu: Annotated[str | None, typer.Option(help="Decode roofline on this GPU: h200, h100, a100, l40s, rtx4090, or a "
@@ -394,12 +397,12 @@ def memory(
     json_output: Annotated[bool, typer.Option("--json", help="Print the documented JSON schema instead of a table.")] = False,
 ):
     """The exact memory bill of KV policies: codes, scales, full-precision windows, max batch, paged blocks."""
-    from kveval.commands.memory import memory_command
+    from kveval.commands.memory import memory_command, parse_batches
     from kveval.units import parse_count
 
     print(memory_command(
         model=model, shape=shape, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-        context=parse_count(context, "--context"), batch=parse_count(batch, "--batch"),
+        context=parse_count(context, "--context"), batch=parse_batches(batch),
         kv=kv, gpu_memory=gpu_memory, block_size=block_size, json_output=json_output, gpu=gpu,
     ), end="")
 

@@ -65,3 +65,31 @@ def test_the_command_says_it_is_a_bound_and_marks_batches_that_do_not_fit():
 def test_a_bad_gpu_is_one_line():
     result = CliRunner().invoke(app, ["memory", "--shape", "llama-3.1-8b", "--gpu", "b200"])
     assert result.exit_code == 2 and "h200, h100, a100, l40s, rtx4090" in result.stderr
+
+
+def test_several_batches_are_each_batch_alone_side_by_side():
+    """`--batch 1,16,64` (the README's line): each batch's JSON document is the one `--batch B` gives; the text has
+    the totals per batch and one roofline row per batch and policy, the ratios of the single-batch tables."""
+    args = ["memory", "--shape", "llama-3.1-8b", "--context", "32768", "--gpu", "h100", "--kv", "fp16,int8,int4_g64"]
+    many = json.loads(CliRunner().invoke(app, [*args, "--batch", "1,16,64", "--json"]).output)
+    assert many["batches"] == [1, 16, 64]
+    for b, doc in zip(many["batches"], many["by_batch"]):
+        assert doc == json.loads(CliRunner().invoke(app, [*args, "--batch", str(b), "--json"]).output)
+    text = CliRunner().invoke(app, [*args, "--batch", "1,16,64"]).output
+    assert "context 32,768, batch 1 / 16 / 64, FP16 cache 4.00 GiB / 64.00 GiB / 256.00 GiB" in text
+    assert "4.00 GiB / 64.00 GiB / 256.00 GiB" in next(line for line in text.splitlines() if "│ fp16 " in line)
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines()
+            if line.startswith("│") and "x │" in line]
+    assert [(r[0], r[1], r[4]) for r in rows] == [
+        ("1", "fp16", "1.00x"), ("1", "int8", "1.12x"), ("1", "int4_g64", "1.18x"),
+        ("16", "fp16", "1.00x"), ("16", "int8", "1.66x"), ("16", "int4_g64", "2.40x"),
+        ("64", "fp16", "1.00x"), ("64", "int8", "1.87x"), ("64", "int4_g64", "3.12x")]
+    # int4_g64 at batch 64 by hand: weights 8,030,261,248 params x 2 bytes + 64 x 32,768 x 36,864 bytes per token
+    weights = many["by_batch"][2]["arch"]["params"] * 2
+    assert many["by_batch"][2]["rows"][2]["decode"]["step_bytes"] == weights + 64 * 32768 * 36864
+
+
+@pytest.mark.parametrize("batch", ["1,,64", "1,0", "16,x", ","])
+def test_a_bad_batch_list_is_one_line(batch):
+    result = CliRunner().invoke(app, ["memory", "--shape", "llama-3.1-8b", "--batch", batch])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --batch ") and "Traceback" not in result.output

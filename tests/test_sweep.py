@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
+from sweep_reference import uninterrupted_metrics
 from typer.testing import CliRunner
 
 from kveval.cli import app
@@ -122,9 +122,49 @@ def test_an_unreachable_cluster_is_one_line(tmp_path):
     """Ray retries an address that answers nothing for minutes; the sweep says so at once."""
     pytest.importorskip("ray", reason="kveval sweep needs ray: pip install 'kveval[sweep]'")
     path = _write(tmp_path / "s.yaml", _sweep(tmp_path, grid={"models": ["builtin:tiny-llama"], "policies": ["int8"]}))
+    index = tmp_path / "sweep" / "sweep.json"  # what an earlier sweep recorded (a failed run, its error)
+    index.parent.mkdir()
+    earlier = json.dumps({"sweep": "s", "runs": [{"name": "tiny-llama__int8", "status": "failed", "error": "x"}]})
+    index.write_text(earlier)
     result = CliRunner().invoke(app, ["sweep", str(path), "--address", "127.0.0.1:1"])
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: cannot reach the Ray cluster at 127.0.0.1:1 (Connection refused)")
+    assert index.read_text() == earlier
+
+
+@pytest.mark.parametrize(("where", "override", "needle"), [
+    ("command line", "output=/tmp/elsewhere", "-s output=/tmp/elsewhere: the sweep names each run and puts it in "
+                                              "<sweep folder>/runs/<run>, so every run would get this output; set "
+                                              "the sweep's folder with -o DIR on the command line"),
+    ("command line", "name = same", "-s name = same: the sweep names each run"),
+    ("sweep set", "output=x", "run 'tiny-llama__int8' (grid): set: output=x: the sweep names each run"),
+    ("run set", "name=x", "run 'one' (runs[0]): set: name=x: the sweep names each run"),
+])
+def test_an_override_of_what_the_sweep_owns_is_one_line(tmp_path, where, override, needle):
+    """`kveval sweep S -s output=DIR` (meaning the sweep's folder) put every run into DIR: each run then found the
+    folder locked by another, or holding another run's config. A run's name and output are the sweep's; the line
+    says to use -o."""
+    data = _sweep(tmp_path, **({"runs": [{"name": "one", "config": {"model": "builtin:tiny-llama", "kv": ["int8"]},
+                                          "set": [override]}]} if where == "run set" else
+                               {"grid": {"models": ["builtin:tiny-llama"], "policies": ["int8"]}}))
+    if where == "sweep set":
+        data["set"] = [override]
+    path = _write(tmp_path / "s.yaml", data)
+    result = CliRunner().invoke(app, ["sweep", str(path), "--dry-run",
+                                      *(["-s", override] if where == "command line" else [])])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert needle in line and "Traceback" not in result.output, line
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_output_option_moves_the_whole_sweep_and_is_in_its_command(tmp_path):
+    path = _write(tmp_path / "s.yaml", _sweep(tmp_path, grid={"models": ["builtin:tiny-llama"], "policies": ["int8"]}))
+    plan = load_sweep(path, output=str(tmp_path / "other folder"))
+    assert plan.output == tmp_path / "other folder"
+    assert [r.folder for r in plan.runs] == [tmp_path / "other folder" / "runs" / "tiny-llama__int8"]
+    result = CliRunner().invoke(app, ["sweep", str(path), "--dry-run", "-o", str(tmp_path / "other folder")])
+    assert result.exit_code == 0 and "other folder" in result.output, result.output
 
 
 def test_dry_run_lists_the_runs_and_starts_nothing(tmp_path):
@@ -230,16 +270,7 @@ def test_failed_and_killed_runs_are_reported_then_resumed_and_finished_runs_skip
     assert len(keys) == len(set(keys)) > len(whole_before)  # each unit of work once
 
     # the same run, uninterrupted, in this process with the thread count Ray gave the run (1 CPU)
-    from kveval.commands.run import run_experiment
-    from kveval.config import load_config
-
-    reference = load_config(sweep / "configs" / "killed.yaml", [f"output={tmp_path / 'reference'}"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        expected = run_experiment(reference, quiet=True)
-    finally:
-        torch.set_num_threads(threads)
+    expected = uninterrupted_metrics(sweep / "configs" / "killed.yaml", tmp_path / "reference")
     resumed = json.loads((sweep / "runs" / "killed" / "metrics.json").read_text())
     for section in ("baseline", "policies"):
         got, want = resumed[section], json.loads(json.dumps(expected[section]))

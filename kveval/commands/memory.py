@@ -1,6 +1,10 @@
 """``kveval memory``: the memory bill of one or more policies for a model or a shape, as a table or JSON.
 
     text = memory_command(shape="llama-7b-mha", context=2048, kv="fp16,int8,int4_g64", gpu_memory="80GiB")
+    text = memory_command(shape="llama-3.1-8b", context=32768, batch=[1, 16, 64], kv="fp16,int8", gpu="h100")
+
+With one batch the JSON is :func:`kveval.memory.rows.memory_json`'s document (``decode`` in each row with
+``--gpu``); with several, ``{"batches": [B, ...], "by_batch": [that document for each batch]}``.
 """
 
 from __future__ import annotations
@@ -66,34 +70,50 @@ def shape_words(arch: Arch) -> str:
     return f"{layers} x {arch.kv_heads} KV heads x head_dim {arch.head_dim}"
 
 
-def render_table(rows: list[dict], title: str | None = None):
-    """A rich Table: policy, bytes/token, total, saving vs FP16, scale overhead share, max batch, blocks."""
+def render_table(rows: list[dict], title: str | None = None, batches: list[int] | None = None):
+    """A rich Table: policy, bytes/token, total, saving vs FP16, scale overhead share, max batch, blocks (``total``
+    and ``blocks`` may be lists, one per batch, printed ``a / b / c``)."""
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("policy", "bytes/token", "total", "saving vs FP16", "scales share", "max batch", "blocks"):
+    per = f" (batch {_joined(batches, '{:,}')})" if batches and len(batches) > 1 else ""
+    for col in ("policy", "bytes/token", f"total{per}", "saving vs FP16", "scales share", "max batch", f"blocks{per}"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in rows:
-        share = r["scales"] / r["total"] if r["total"] else 0.0
+        first_total = r["total"][0] if isinstance(r["total"], list) else r["total"]
+        share = r["scales"] / first_total if first_total else 0.0
         table.add_row(
             r["policy"],
             f"{r['bytes_per_token']:,.1f}",
-            format_bytes(r["total"]),
+            _joined(r["total"], format_bytes) if isinstance(r["total"], list) else format_bytes(r["total"]),
             f"{100 * r['saving_vs_fp16']:.1f}%",
             f"{100 * share:.1f}%",
             "-" if r["max_batch"] is None else f"{r['max_batch']:,}",
-            f"{r['blocks']:,}",
+            _joined(r["blocks"], "{:,}") if isinstance(r["blocks"], list) else f"{r['blocks']:,}",
         )
     return table
 
 
+def parse_batches(text: str) -> int | list[int]:
+    """``--batch``: one count (``64``, ``1k``) or several separated by commas (``1,16,64``)."""
+    from kveval.units import parse_count
+
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) > 1 and not all(parts):
+        raise KvevalError(f"--batch {text}: an empty entry; write counts separated by commas, e.g. 1,16,64")
+    values = [parse_count(p, "--batch") for p in parts]
+    return values[0] if len(values) == 1 else values
+
+
 def memory_command(model: str | None = None, shape: str | None = None, layers: int | None = None,
-                   kv_heads: int | None = None, head_dim: int | None = None, context: int = 2048, batch: int = 1,
-                   kv: str | list[str] | None = None, gpu_memory: str | int | None = None,
+                   kv_heads: int | None = None, head_dim: int | None = None, context: int = 2048,
+                   batch: int | list[int] = 1, kv: str | list[str] | None = None, gpu_memory: str | int | None = None,
                    block_size: int = DEFAULT_BLOCK_SIZE, json_output: bool = False, gpu: str | None = None) -> str:
     """What ``kveval memory`` prints: the JSON document (``json_output``) or the rendered table with a heading.
-    ``gpu``: add the decode roofline (:mod:`kveval.memory.roofline`) per policy at this batch and context; a named
-    GPU's memory is the max batch's unless ``gpu_memory`` is given."""
+    ``gpu``: add the decode roofline (:mod:`kveval.memory.roofline`) per policy at each batch and the context; a
+    named GPU's memory is the max batch's unless ``gpu_memory`` is given. ``batch``: one, or several (the bill's
+    totals and blocks per batch, the roofline's rows per policy and batch)."""
+    batches = [batch] if isinstance(batch, int) else list(batch)
     roofline_gpu = None
     if gpu is not None:
         from kveval.memory.roofline import parse_gpu
@@ -111,21 +131,22 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
 
         for name in ([n.strip() for n in kv.split(",") if n.strip()] if isinstance(kv, str) else kv):
             check_design(arch, as_policy(name))
-    doc = memory_json(arch, kv, context, batch, gpu_memory, block_size)
+    docs = [memory_json(arch, kv, context, b, gpu_memory, block_size) for b in batches]
     if roofline_gpu is not None:
         from kveval.memory.roofline import decode_roofline
 
-        for row, name in zip(doc["rows"], _names(kv)):
-            row["decode"] = decode_roofline(arch, name, context, batch, roofline_gpu)
-        doc["gpu"] = {"name": roofline_gpu.name, "bandwidth_bytes_per_s": roofline_gpu.bandwidth,
-                      "memory_bytes": roofline_gpu.memory, "source": roofline_gpu.source,
-                      "model": "bandwidth roofline: tokens/s <= batch * bandwidth / (weights + batch * cache)"}
+        for doc in docs:
+            for row, name in zip(doc["rows"], _names(kv)):
+                row["decode"] = decode_roofline(arch, name, context, doc["batch"], roofline_gpu)
+            doc["gpu"] = {"name": roofline_gpu.name, "bandwidth_bytes_per_s": roofline_gpu.bandwidth,
+                          "memory_bytes": roofline_gpu.memory, "source": roofline_gpu.source,
+                          "model": "bandwidth roofline: tokens/s <= batch * bandwidth / (weights + batch * cache)"}
     if json_output:
-        return json.dumps(doc, indent=2)
+        return json.dumps(docs[0] if len(docs) == 1 else {"batches": batches, "by_batch": docs}, indent=2)
     from rich.console import Console
 
-    heading = f"{arch.name}: {shape_words(arch)}; context {context:,}, batch {batch}, FP16 cache " \
-              f"{format_bytes(fp16_bytes(arch, context, batch))}"
+    heading = f"{arch.name}: {shape_words(arch)}; context {context:,}, batch {_joined(batches, '{:,}')}, FP16 " \
+              f"cache {_joined([fp16_bytes(arch, context, b) for b in batches], format_bytes)}"
     if shape is not None:
         from kveval.memory.shapes import NAMED_SHAPES
 
@@ -135,7 +156,8 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
     if layers_line:
         heading += f"; {layers_line}"
     if arch.state is not None:
-        heading += f"; fixed state {format_bytes(batch * arch.state_bytes())} (not in the rows' totals)"
+        heading += (f"; fixed state {_joined([b * arch.state_bytes() for b in batches], format_bytes)} (not in the "
+                    "rows' totals)")
     if skipped:
         heading += f"; left out (they do not fit this model): {', '.join(skipped)}"
     if gpu_memory is not None:
@@ -145,32 +167,53 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
     buf = io.StringIO()
     console = Console(file=buf, width=max(100, len(heading)), color_system=None, force_terminal=False)
     console.print(heading, highlight=False, markup=False, soft_wrap=True)
-    console.print(render_table(doc["rows"]))
+    console.print(render_table([_rows_across(docs, i) for i in range(len(docs[0]["rows"]))], batches=batches))
     if roofline_gpu is not None:
-        console.print(render_roofline(doc["rows"], roofline_gpu, batch), highlight=False, markup=False,
-                      soft_wrap=True)
+        console.print(render_roofline(docs, roofline_gpu), highlight=False, markup=False, soft_wrap=True)
     return buf.getvalue().rstrip() + "\n"
+
+
+def _joined(values: list, fmt) -> str:
+    """``1 / 16 / 64``: each value formatted (``fmt``: a format string or a function)."""
+    return " / ".join(fmt.format(v) if isinstance(fmt, str) else fmt(v) for v in values)
+
+
+def _rows_across(docs: list[dict], i: int) -> dict:
+    """Row ``i`` of the first batch's document, its ``total`` and ``blocks`` as the list over every batch."""
+    row = dict(docs[0]["rows"][i])
+    if len(docs) > 1:
+        row["total"] = [d["rows"][i]["total"] for d in docs]
+        row["blocks"] = [d["rows"][i]["blocks"] for d in docs]
+    return row
 
 
 def _names(kv) -> list:
     return [n.strip() for n in kv.split(",") if n.strip()] if isinstance(kv, str) else list(kv)
 
 
-def render_roofline(rows: list[dict], gpu, batch: int):
-    """The decode roofline table (rows with ``decode``) under a heading that says what the numbers are."""
+def render_roofline(docs: list[dict], gpu):
+    """The decode roofline table (the rows of each batch's document, with ``decode``; a ``batch`` column when there
+    are several) under a heading that says what the numbers are."""
     from rich.console import Group
     from rich.table import Table
 
+    several = len(docs) > 1
+    whose = "every sequence's cache" if several else f"the {docs[0]['batch']} sequence(s)' caches"
     heading = (f"Decode roofline on {gpu.name} ({gpu.bandwidth / 1e12:.3g} TB/s; {gpu.source}): a bound, not a "
-               f"measurement. Each step reads the weights once and the {batch} sequence(s)' caches; tokens/s <= "
-               "batch x bandwidth / bytes read.")
+               f"measurement. Each step reads the weights once and {whose}; tokens/s <= batch x bandwidth / bytes "
+               "read.")
     table = Table()
-    for col in ("policy", "bytes read per step", "tokens/s ceiling", "vs FP16", "cache outweighs weights from batch"):
+    columns = ("batch",) * several + ("policy", "bytes read per step", "tokens/s ceiling", "vs FP16",
+                                      "cache outweighs weights from batch")
+    for col in columns:
         table.add_column(col, justify="left" if col == "policy" else "right")
-    for r in rows:
-        d = r["decode"]
-        table.add_row(r["policy"], format_bytes(d["step_bytes"]),
-                      f"{d['tokens_per_s']:,.0f}" + ("" if d["fits"] else " (does not fit)"),
-                      f"{d['speedup_vs_fp16']:.2f}x",
-                      "-" if d["cache_dominates_batch"] is None else f"{d['cache_dominates_batch']:,}")
+    for doc in docs:
+        for r in doc["rows"]:
+            d = r["decode"]
+            table.add_row(*([f"{doc['batch']:,}"] if several else []), r["policy"], format_bytes(d["step_bytes"]),
+                          f"{d['tokens_per_s']:,.0f}" + ("" if d["fits"] else " (does not fit)"),
+                          f"{d['speedup_vs_fp16']:.2f}x",
+                          "-" if d["cache_dominates_batch"] is None else f"{d['cache_dominates_batch']:,}")
+        if several and doc is not docs[-1]:
+            table.add_section()
     return Group(heading, table)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -108,18 +109,20 @@ def dry_run_table(plan: SweepPlan) -> Table:
 
 def sweep_command(path: str, overrides: list[str] | None = None, *, address: str | None = None,
                   overwrite: bool = False, dry_run: bool = False, quiet: bool = False,
-                  allow_code: bool = False) -> int:
+                  allow_code: bool = False, output: str | None = None) -> int:
     """Check every run of the sweep file (one KvevalError line for the first problem, before anything starts),
     then run the unfinished ones on Ray and write sweep.json and the report. Returns the exit status: 0 when every
-    run has its results, 1 when some failed (each listed with its one-line error)."""
-    plan = load_sweep(path, overrides, allow_code=allow_code)
+    run has its results, 1 when some failed (each listed with its one-line error). ``output``: the sweep's folder
+    instead of its file's ``output:``."""
+    plan = load_sweep(path, overrides, allow_code=allow_code, output=output)
     console = Console(width=None if sys.stdout.isatty() else 160)
     if dry_run:
         console.print(dry_run_table(plan))
         return 0
     out = plan.output
-    command = "kveval sweep " + " ".join([str(path), *[f"-s {o}" for o in overrides or []]])
-    with lock_folder(out, command=command, hint="wait for that sweep, or set the sweep's output: to another folder"):
+    command = shlex.join(["kveval", "sweep", str(path), *[a for o in overrides or [] for a in ("-s", o)],
+                          *(["-o", output] if output else []), *(["--address", address] if address else [])])
+    with lock_folder(out, command=command, hint="wait for that sweep, or give it another folder with -o DIR"):
         started, t0 = now(), time.perf_counter()
         outcomes: dict[str, RunOutcome] = {}
         previous = previous_entries(out / INDEX_FILE)
@@ -148,15 +151,18 @@ def sweep_command(path: str, overrides: list[str] | None = None, *, address: str
             index["counts"] = _counts(index["runs"])
             write_index(out / INDEX_FILE, index)
 
-        save()
-        console.print(f"[bold]kveval sweep[/] {plan.sweep.name}: {len(plan.runs)} runs, {len(tasks)} to run, "
+        console.print(f"[bold]kveval sweep[/] {plan.sweep.name}: {_count(len(plan.runs), 'run')}, "
+                      f"{len(tasks)} to run, "
                       f"{len(plan.runs) - len(tasks)} already finished; folder {out}/")
-        if tasks:
+        if not tasks:
+            save()
+        else:  # sweep.json is rewritten once Ray is there: a cluster that cannot be reached leaves the last one
             with ray_session(address, plan.sweep.ray.num_cpus, plan.sweep.ray.num_gpus) as ray:
                 cpus = ray.cluster_resources().get("CPU", 0)
                 index["ray"] = {"where": where, "cluster_cpus": cpus,
                                 "cluster_gpus": ray.cluster_resources().get("GPU", 0)}
-                console.print(f"Ray ({where}, {cpus:g} CPUs): each run asks for {res.num_cpus:g} CPU, "
+                save()
+                console.print(f"Ray ({where}, {_count(cpus, 'CPU')}): each run asks for {res.num_cpus:g} CPU, "
                               f"{res.num_gpus:g} GPU" + (f", {res.memory}" if res.memory else ""))
                 run_tasks(tasks, ray_options(res.num_cpus, res.num_gpus, res.memory),
                           SweepProgress(console, quiet=quiet), on_outcome=save)
@@ -180,3 +186,8 @@ def outcome_table(index: dict) -> Table:
         wall = "" if e.get("wall_s") is None else f"{e['wall_s']:.1f}"
         table.add_row(e["name"], f"[{style}]{e['status']}[/]", wall, e.get("error") or "")
     return table
+
+
+def _count(n: float, noun: str) -> str:
+    """``1 run``, ``2 runs``, ``0 runs``, ``0.5 CPU`` (``n`` as :g)."""
+    return f"{n:g} {noun}" + ("s" if n > 1 or n == 0 else "")

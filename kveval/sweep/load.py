@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from kveval.config import MAX_CONFIG_BYTES, ExperimentConfig, check_inputs, schema_error_line, validate
 from kveval.errors import KvevalError
 from kveval.schema import load_yaml, read_text_file
-from kveval.sweep.expand import RunSpec, SweepFile, expand, with_placement
+from kveval.sweep.expand import SWEEP_OWNED, RunSpec, SweepFile, expand, with_placement
 
 
 @dataclass
@@ -55,9 +55,12 @@ def _read_mapping(path: str | Path, what: str) -> dict:
     return data
 
 
-def load_sweep(path: str | Path, overrides: list[str] | None = None, *, allow_code: bool = False) -> SweepPlan:
+def load_sweep(path: str | Path, overrides: list[str] | None = None, *, allow_code: bool = False,
+               output: str | None = None) -> SweepPlan:
     """The checked sweep of ``path``: every run expanded and validated like ``kveval run CONFIG -s ...``
-    (``overrides``: applied to every run after the sweep's own ``set``). KvevalError (one line) otherwise."""
+    (``overrides``: applied to every run after the sweep's own ``set``; ``output``: the sweep's folder instead of
+    the file's ``output:``). KvevalError (one line) otherwise, among them an override of a run's ``name`` or
+    ``output`` (the sweep names and places each run: every run would share one folder)."""
     path = Path(path)
     if not path.exists():
         raise KvevalError(f"sweep file '{path}' does not exist (configs/sweep_example.yaml is an example)")
@@ -85,7 +88,13 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, *, allow_co
         specs = expand(sweep, base, listed)
     except KvevalError as exc:
         raise KvevalError(f"{path}: {exc}") from None
-    output = sweep.output_dir()
+    for override in overrides or []:
+        _not_owned(override, f"-s {override}", "-o DIR on the command line")
+    for spec in specs:
+        for override in spec.overrides:
+            _not_owned(override, f"{path}: run '{spec.name}' ({spec.source}): set: {override}",
+                       "output: in the sweep file, or -o DIR")
+    output = output or sweep.output_dir()
     plan = SweepPlan(path=path, sweep=sweep, output=Path(output).expanduser(), runs=[])
     seen: dict[str, str] = {}
     for spec in specs:
@@ -102,6 +111,14 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, *, allow_co
         seen[experiment] = spec.name
         plan.runs.append(PlannedRun(spec, cfg, resolved, cfg.output_dir()))
     return plan
+
+
+def _not_owned(override: str, where: str, instead: str) -> None:
+    """KvevalError (one line) where ``override`` sets what the sweep owns: a run's ``name`` or ``output``."""
+    key = override.split("=", 1)[0].strip()
+    if key in SWEEP_OWNED:
+        raise KvevalError(f"{where}: the sweep names each run and puts it in <sweep folder>/runs/<run>, so every "
+                          f"run would get this {key}; set the sweep's folder with {instead}")
 
 
 def resolved_yaml(resolved: dict[str, Any]) -> str:

@@ -206,21 +206,74 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, num_gpu
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report to the network
     try:
         if address:
-            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+            with _native_stderr_held():  # Ray's C++ client warns once a second while it retries (20 s)
+                ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         else:
             # address "local": a new Ray of this process, never the cluster a stale /tmp/ray/ray_current_cluster
             # (left by a Ray that was killed) or RAY_ADDRESS points to ("When connecting to an existing cluster,
             # num_cpus and num_gpus must not be provided")
+            _local_token_in_environment()
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                      log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1")
-    except (ConnectionError, ValueError, RuntimeError) as exc:
+    except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:
         where = f"the Ray cluster at {address}" if address else "a local Ray"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KvevalError(f"cannot start {where}: {first}") from None
+        raise KvevalError(f"cannot start {where}: {_why_ray_failed(exc)}") from None
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _local_token_in_environment() -> None:
+    """A local Ray of Ray >= 2.5x turns token authentication on and, where the user has no token, writes one to
+    ~/.ray/auth_token; from then on every ``ray start --head`` on the machine asks for it, and a ``kveval sweep
+    --address`` to such a cluster is refused until RAY_AUTH_MODE=token is set. The local session gets a fresh token
+    in this process's environment instead (inherited by its raylet and workers), so nothing is written to the
+    user's home. A token or mode the user set is left as it is."""
+    if any(name in os.environ for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        return
+    if (Path.home() / ".ray" / "auth_token").exists():
+        return
+    import secrets
+
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+@contextlib.contextmanager
+def _native_stderr_held() -> Iterator[None]:
+    """Hold what native code writes to file descriptor 2 in the block: written out after it if it succeeds, dropped
+    if it raises (the raised error is then the one line the user sees)."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 to hold
+        yield
+        return
+    import tempfile
+
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        text = held.read()
+        if text:
+            os.write(2, text)
+
+
+def _why_ray_failed(exc: BaseException) -> str:
+    """The first line of Ray's error; where Ray's own cause is a refused authentication token (a cluster started
+    with token authentication, ``ray start`` turns it on when ``~/.ray/auth_token`` exists), what to set."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    cause: BaseException | None = exc
+    while cause is not None and not (type(cause).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(cause)):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        first += ("; the cluster asks for Ray's authentication token: set RAY_AUTH_MODE=token and the cluster's "
+                  "token in RAY_AUTH_TOKEN or ~/.ray/auth_token (or start the cluster with RAY_AUTH_MODE=disabled)")
+    return first
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -323,7 +376,11 @@ def run_tasks(tasks: list[RunTask], options: dict, progress: SweepProgress,
     interrupted and re-raises."""
     import ray
 
-    board = ray.remote(num_cpus=0)(_Board).remote()
+    # the board lives on the driver's node: a node lost mid-sweep fails its own runs, never the sweep's bookkeeping
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    board = ray.remote(num_cpus=0, scheduling_strategy=here)(_Board).remote()
     remote = ray.remote(_ray_task).options(**options)
     pending = {remote.remote(task, board): task for task in tasks}
     outcomes: dict[str, RunOutcome] = {}
@@ -346,7 +403,10 @@ def run_tasks(tasks: list[RunTask], options: dict, progress: SweepProgress,
                     progress.ended(outcome, done + failed, len(tasks))
                     if on_outcome is not None:
                         on_outcome(outcome)
-                started = set(ray.get(board.running.remote()))  # type: ignore[attr-defined]
+                try:
+                    started = set(ray.get(board.running.remote(), timeout=poll_s * 10))  # type: ignore[attr-defined]
+                except ray.exceptions.RayError:  # the board is not answering: counts as queued until it does
+                    started = set()
                 running = sum(1 for t in pending.values() if t.name in started)
                 progress.update(done, running, failed, len(pending) - running)
         except KeyboardInterrupt:
