@@ -1,7 +1,7 @@
 """Long contexts in bounded memory: one emulated forward pass per preset at 4k-64k tokens against the bare pass.
 
     .venv/bin/python bench/bench_long_context.py [--lengths 4096,16384,32768] [--presets all|int4_g32,kivi2,...]
-                                                 [--model tiny-llama]
+                                                 [--model tiny-llama] [--head-dim 64] [--skipped-only]
 
 The memory is the pass's **live peak**: the most bytes of tensors alive at once, read from PyTorch's own
 allocation records (``torch.profiler`` with ``profile_memory``: every allocation and free on the CPU, so the
@@ -12,7 +12,10 @@ their ratio, and the ratio of the times; a path whose peak grows as ``T x T`` sh
 With several lengths, ``growth`` is the memory ratio at the longest over the ratio at the shortest: 1.00 for a path
 linear in T, the length ratio (4.00 from 4k to 16k) for a square one. ``--presets all``: every policy preset and
 the first quantization preset of each format (as ``bench/bench_presets.py`` lists them); a preset that cannot act on
-the model (a group wider than its heads, calibrated scales) is listed as skipped with the reason.
+the model (a group wider than its heads, an MLA-only preset on per-head K/V) is listed as skipped with the reason;
+``--head-dim 64`` (the tiny model with 64-wide heads) and ``--model tiny-deepseek-v3`` (MLA) measure those, and
+``--skipped-only`` measures only the presets that tiny-llama's shape skips. A preset with ``scales: auto`` gets
+scales calibrated on the builtin corpus (as ``kveval run`` calibrates them) before it is measured.
 """
 
 from __future__ import annotations
@@ -74,12 +77,41 @@ def one_pass(model, ids, policy):
     return run
 
 
-def tiny(name: str = "tiny-llama"):
-    from kveval.models.builtin import build_tiny_model
+def tiny(name: str = "tiny-llama", head_dim: int | None = None):
+    """The tiny random model ``name`` (float32), its context unbounded; ``head_dim``: its heads that wide."""
+    from kveval.models.builtin import build_tiny_model, tiny_model_config
 
-    model = build_tiny_model(name)
+    if head_dim is None:
+        model = build_tiny_model(name)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        cfg = tiny_model_config(name)
+        cfg.head_dim = head_dim
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                                     attn_implementation=cfg._attn_implementation)
+        model.name_or_path = f"builtin:{name}"
+        model = model.eval().requires_grad_(False)
     model.config.max_position_embeddings = 1 << 20
     return model
+
+
+def calibrated(model, label: str, policy, folder: Path):
+    """``policy`` with the scales ``kveval run`` would calibrate for ``scales: auto`` (the builtin corpus' tail)."""
+    from kveval.calibration.calibrate import calibrate
+    from kveval.config import validate
+    from kveval.data import load_tokens
+    from kveval.models.builtin import byte_tokenizer
+    from kveval.policy import KVPolicy
+
+    cfg = validate({"name": "lc", "model": "builtin:tiny-llama", "data": "builtin", "kv": [policy.name],
+                    "tasks": [{"perplexity": {"seq_len": 64, "max_tokens": 256}}],
+                    "calibration": {"tokens": 512, "seq_len": 256}})
+    tok = byte_tokenizer()
+    path = calibrate(model, tok, load_tokens("builtin", tok), cfg, folder / f"{policy.name}.safetensors")
+    return KVPolicy.from_config({"preset": policy.name, "scales": str(path)}, name=label)
 
 
 def main() -> None:
@@ -87,11 +119,21 @@ def main() -> None:
     ap.add_argument("--lengths", default="4096,16384,32768")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--skipped-only", action="store_true")
     args = ap.parse_args()
-    model = tiny(args.model)
+    model = tiny(args.model, args.head_dim)
     lengths = [int(x) for x in args.lengths.split(",")]
     presets = preset_list(args.presets)
-    print(f"{args.model} (float32, {torch.get_num_threads()} threads): live peak MiB of one pass, bare and emulated")
+    if args.skipped_only:
+        presets = [(label, policy) for label, policy in presets if label in skipped_on(tiny("tiny-llama"), presets)]
+    scratch = Path(tempfile.mkdtemp(prefix="kveval-lc-"))
+    for i, (label, policy) in enumerate(presets):
+        if not isinstance(policy, str) and policy.needs_scales_file():
+            presets[i] = (label, calibrated(model, label, policy, scratch))
+    shape = f", head_dim {args.head_dim}" if args.head_dim else ""
+    print(f"{args.model}{shape} (float32, {torch.get_num_threads()} threads): live peak MiB of one pass, bare and "
+          "emulated")
     print(f"{'tokens':>7} {'preset':<28} {'bare MiB':>9} {'emul MiB':>9} {'ratio':>6} {'time ratio':>10}")
     ratios: dict[str, list[float]] = {}
     for length in lengths:
@@ -125,6 +167,27 @@ def main() -> None:
         for label, values in sorted(ratios.items(), key=lambda kv: -kv[1][-1] / kv[1][0]):
             if len(values) == len(lengths):
                 print(f"  {label:<28} {values[-1] / values[0]:>6.2f}")
+
+
+def skipped_on(model, presets) -> set[str]:
+    """The labels of ``presets`` that cannot act on ``model`` (a refused check) or need calibrated scales."""
+    from kveval.patch import emulate
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    out = set()
+    for label, policy in presets:
+        if isinstance(policy, str):
+            out.add(label)
+            continue
+        if policy.needs_scales_file():
+            out.add(label)
+            continue
+        try:
+            with torch.no_grad(), emulate(model, policy):
+                model(ids)
+        except KvevalError:
+            out.add(label)
+    return out
 
 
 def preset_list(which: str) -> list[tuple[str, object]]:

@@ -168,14 +168,23 @@ OverrideOpt = Annotated[
     typer.Option("--set", "-s", help="Override a config value: key.path=value (YAML), repeatable."),
 ]
 OutputOpt = Annotated[
-    Path | None,
+    str | None,
     typer.Option("--output", "-o", help="Results folder (the config's output:, default results/<name>).")]
 
 
-def with_output(overrides: list[str] | None, output: Path | None) -> list[str] | None:
+def checked_output(output: str | None) -> str | None:
+    """``-o`` as given, refused when empty or blank: ``-o "$DIR"`` with DIR unset would otherwise be the current
+    folder, and a run would write its files among the user's."""
+    if output is not None and not output.strip():
+        raise KvevalError("-o: an empty folder name (an unset shell variable?); give the results folder, e.g. -o "
+                          "results/mine")
+    return output
+
+
+def with_output(overrides: list[str] | None, output: str | None) -> list[str] | None:
     """``-o PATH`` as the override ``output=PATH`` (after the ``-s`` ones: it wins), the path quoted as a YAML
     string so that a folder named ``yes`` or ``123`` stays a name."""
-    if output is None:
+    if checked_output(output) is None:
         return overrides
     import json
 
@@ -220,7 +229,7 @@ def sweep(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check every run and list them; start nothing.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per finished run instead of a progress bar.")] = False,
     allow_code: AllowCodeOpt = False,
-    output: Annotated[Path | None, typer.Option(
+    output: Annotated[str | None, typer.Option(
         "--output", "-o", help="The sweep's folder (the sweep file's output:, default results/sweeps/<name>); "
                                "each run goes to its runs/<run>.")] = None,
 ):
@@ -228,7 +237,7 @@ def sweep(
     from kveval.commands.sweep import sweep_command
 
     status = sweep_command(str(sweep_file), overrides, address=address, overwrite=overwrite, dry_run=dry_run,
-                           quiet=quiet, allow_code=allow_code, output=None if output is None else str(output))
+                           quiet=quiet, allow_code=allow_code, output=checked_output(output))
     if status:
         raise typer.Exit(status)
 

@@ -43,6 +43,25 @@ def test_output_option_sets_the_results_folder(tmp_path, monkeypatch, name):
         assert result.output.rstrip().endswith(f"output {name})"), result.output
 
 
+@pytest.mark.parametrize("command", ["run", "scan", "validate", "sweep"])
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_output_is_refused_not_the_current_folder(tmp_path, monkeypatch, command, empty):
+    """`-o "$OUT"` with OUT unset was `-o ""`, which Path makes "." : the run wrote its files into the folder the
+    user stood in. One line, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "c.yaml"
+    body = {"name": "c", "model": "builtin:tiny-llama", "kv": ["int8"], "tasks": ["ppl_quick"]}
+    if command == "sweep":
+        body = {"name": "s", "grid": {"models": ["builtin:tiny-llama"], "policies": ["int8"]},
+                "base": {"tasks": ["ppl_quick"]}}
+    config.write_text(json.dumps(body))
+    result = CliRunner().invoke(app, [command, str(config), "-o", empty])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == ["error: -o: an empty folder name (an unset shell variable?); give the "
+                                          "results folder, e.g. -o results/mine"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
 def test_run_and_scan_take_the_output_option():
     for command in ("run", "scan", "validate"):
         assert "--output" in CliRunner().invoke(app, [command, "--help"]).output

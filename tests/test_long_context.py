@@ -346,3 +346,27 @@ def test_one_emulated_pass_at_32k_tokens_needs_memory_linear_in_the_context():
     ids = torch.randint(4, c.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
     peak = live_peak_bytes(one_pass(model, ids, "vllm_fp8_fa3"))
     assert 0 < peak <= bound, (peak / 2**20, bound / 2**20)
+
+
+def test_the_long_context_bench_measures_every_preset_it_can_and_says_why_not_the_others():
+    """`bench/bench_long_context.py` on short lengths: a preset whose groups fit the model's heads is measured
+    (with --head-dim 64, int4_g64), one that does not is a skipped line with the reason, a `scales: auto` preset is
+    calibrated first and measured, and the growth table holds every measured preset."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "bench" / "bench_long_context.py"), "--lengths", "64,256",
+                           "--presets", "int4_g64,int4_g128,trtllm_int8", "--head-dim", "64"],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("tiny-llama, head_dim 64 (float32")
+    measured = {(p[0], p[1]): float(p[4]) for p in (line.split() for line in lines) if len(p) == 6 and p[0].isdigit()}
+    assert set(measured) == {(n, p) for n in ("64", "256") for p in ("int4_g64", "trtllm_int8")}
+    assert all(r >= 0.99 for r in measured.values())
+    assert any("int4_g128" in line and "skipped: policy 'int4_g128': group_size 128 does not divide head_dim 64"
+               in line for line in lines)
+    growth = lines[lines.index(next(line for line in lines if line.startswith("growth"))) + 1:]
+    assert sorted(line.split()[0] for line in growth) == ["int4_g64", "trtllm_int8"]

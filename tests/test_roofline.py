@@ -93,3 +93,17 @@ def test_several_batches_are_each_batch_alone_side_by_side():
 def test_a_bad_batch_list_is_one_line(batch):
     result = CliRunner().invoke(app, ["memory", "--shape", "llama-3.1-8b", "--batch", batch])
     assert result.exit_code == 2 and result.stderr.startswith("error: --batch ") and "Traceback" not in result.output
+
+
+def test_the_readmes_roofline_block_is_what_the_command_prints():
+    """The README shows `$ kveval memory ...` with the end of its output: every line it shows is in the output."""
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("$ kveval memory ", 1)[1].split("```", 1)[0].splitlines()
+    command, shown = block[0], [line for line in block[1:] if line.strip() and line != "..."]
+    result = CliRunner().invoke(app, ["memory", *shlex.split(command)])
+    assert result.exit_code == 0, result.output
+    printed = result.output.splitlines()
+    assert len(shown) >= 10 and all(line in printed for line in shown), [s for s in shown if s not in printed]
