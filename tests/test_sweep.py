@@ -295,8 +295,10 @@ def test_ctrl_c_stops_the_runs_cleanly_and_exits_130(tmp_path, ray_local):
     path = _write(tmp_path / "s.yaml", _sweep(tmp_path, ray={"num_cpus": 1}, runs=[
         {"name": "long", "config": {"model": "builtin:tiny-llama", "kv": ["int8"], "tasks": [long_task]}}]))
     folder = tmp_path / "sweep" / "runs" / "long"
+    # SIGINT as a terminal gives it, even where this test runs in a background job (which ignores SIGINT)
     sweep = subprocess.Popen([sys.executable, "-m", "kveval", "sweep", str(path), "--quiet"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and sweep.poll() is None:
         records = folder / "records.jsonl"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -107,7 +108,8 @@ def test_real_sigint_during_the_run_report_exits_130_and_the_rerun_finishes(tmp_
     config.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_FIGURE, "run", str(config), "--quiet"], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background job ignores it
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr and "interrupted; rerun the same command" in proc.stderr
     records = (out / "records.jsonl").read_text()
