@@ -136,7 +136,9 @@ def test_an_unreachable_cluster_is_one_line(tmp_path):
     ("command line", "output=/tmp/elsewhere", "-s output=/tmp/elsewhere: the sweep names each run and puts it in "
                                               "<sweep folder>/runs/<run>, so every run would get this output; set "
                                               "the sweep's folder with -o DIR on the command line"),
-    ("command line", "name = same", "-s name = same: the sweep names each run"),
+    ("command line", "name = same", "-s name = same: the sweep names each run and puts it in <sweep folder>/runs/"
+                                    "<run>, so every run would get this name; a run's name comes from its grid "
+                                    "labels or its runs[].name"),
     ("sweep set", "output=x", "run 'tiny-llama__int8' (grid): set: output=x: the sweep names each run"),
     ("run set", "name=x", "run 'one' (runs[0]): set: name=x: the sweep names each run"),
 ])

@@ -117,8 +117,10 @@ def _not_owned(override: str, where: str, instead: str) -> None:
     """KvevalError (one line) where ``override`` sets what the sweep owns: a run's ``name`` or ``output``."""
     key = override.split("=", 1)[0].strip()
     if key in SWEEP_OWNED:
+        fix = (f"set the sweep's folder with {instead}" if key == "output" else
+               "a run's name comes from its grid labels or its runs[].name")
         raise KvevalError(f"{where}: the sweep names each run and puts it in <sweep folder>/runs/<run>, so every "
-                          f"run would get this {key}; set the sweep's folder with {instead}")
+                          f"run would get this {key}; {fix}")
 
 
 def resolved_yaml(resolved: dict[str, Any]) -> str:

@@ -225,8 +225,8 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, num_gpu
 
 
 def _local_token_in_environment() -> None:
-    """A local Ray of Ray >= 2.5x turns token authentication on and, where the user has no token, writes one to
-    ~/.ray/auth_token; from then on every ``ray start --head`` on the machine asks for it, and a ``kveval sweep
+    """A local Ray (Ray 2.60, where token authentication is the default) turns token authentication on and, where
+    the user has no token, writes one to ~/.ray/auth_token; from then on every ``ray start --head`` on the machine asks for it, and a ``kveval sweep
     --address`` to such a cluster is refused until RAY_AUTH_MODE=token is set. The local session gets a fresh token
     in this process's environment instead (inherited by its raylet and workers), so nothing is written to the
     user's home. A token or mode the user set is left as it is."""
