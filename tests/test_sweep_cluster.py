@@ -103,12 +103,14 @@ class RayCluster:
     what the nodes are started with; ``lose(i)`` kills node ``i``'s raylet and everything under it."""
 
     def __init__(self, nodes: int = 2, env: dict[str, str] | None = None):
+        ray_cli = str(Path(sys.executable).with_name("ray"))
+        if not Path(ray_cli).is_file():
+            pytest.skip(f"the ray command line is not beside this Python ({ray_cli}); pip install 'kveval[sweep]'")
         self.temp = tempfile.mkdtemp(prefix="kvray", dir="/tmp")  # short: Ray's unix sockets live under it
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
         gcs, *ports = _free_ports(1 + 6 * nodes)
         self.address = f"127.0.0.1:{gcs}"
         self.node_ports = ports[::6]  # each node's node manager port names its raylet
-        ray_cli = str(Path(sys.executable).with_name("ray"))
         for i in range(nodes):
             manager, objects, listen, grpc, metrics, runtime_env = ports[6 * i:6 * i + 6]
             where = (["--head", "--port", str(gcs), "--temp-dir", self.temp, "--include-dashboard", "false"] if i == 0
