@@ -208,8 +208,7 @@ def _lines(path: Path) -> list[str]:
 
 def _lose_second_node_once_both_run(out: Path, names: list[str], cluster: RayCluster, lost: dict) -> None:
     """When every run of ``names`` has RECORDS_BEFORE_LOSS records: the second node (not the head, where the
-    driver is) goes down; ``lost`` gets which
-    run was on it and its records at that moment."""
+    driver is) goes down; ``lost`` gets which run was on it and its records at that moment."""
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         records = {n: _lines(out / "runs" / n / "records.jsonl") for n in names}
