@@ -79,21 +79,9 @@ def one_pass(model, ids, policy):
 
 def tiny(name: str = "tiny-llama", head_dim: int | None = None):
     """The tiny random model ``name`` (float32), its context unbounded; ``head_dim``: its heads that wide."""
-    from kveval.models.builtin import build_tiny_model, tiny_model_config
+    from kveval.models.builtin import build_tiny_model
 
-    if head_dim is None:
-        model = build_tiny_model(name)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        cfg = tiny_model_config(name)
-        cfg.head_dim = head_dim
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
-                                                     attn_implementation=cfg._attn_implementation)
-        model.name_or_path = f"builtin:{name}"
-        model = model.eval().requires_grad_(False)
+    model = build_tiny_model(name, **({} if head_dim is None else {"head_dim": head_dim}))
     model.config.max_position_embeddings = 1 << 20
     return model
 

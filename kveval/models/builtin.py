@@ -104,8 +104,9 @@ def tiny_model_config(name: str):
     return cfg
 
 
-def build_tiny_model(name: str, dtype: str = "float32", seed: int = 0) -> torch.nn.Module:
-    """A tiny random-weight model (eval mode, CPU, no grad), identical for identical ``seed``.
+def build_tiny_model(name: str, dtype: str = "float32", seed: int = 0, **config: object) -> torch.nn.Module:
+    """A tiny random-weight model (eval mode, CPU, no grad), identical for identical ``seed``; ``config``: values
+    set on its transformers config first (``head_dim=64``: the same family with wider heads).
 
     Weights are drawn in float32 and then cast, so ``float32`` and ``float64`` models of one seed agree. MoE
     experts run the eager (per-expert) implementation, which every dtype supports. The global torch RNG state is
@@ -114,6 +115,8 @@ def build_tiny_model(name: str, dtype: str = "float32", seed: int = 0) -> torch.
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_model_config(name)
+    for key, value in config.items():
+        setattr(cfg, key, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=cfg._attn_implementation,

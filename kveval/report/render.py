@@ -311,8 +311,6 @@ def _task_words(r: RunResults, label: str) -> str:
 def reproduce_command(env: dict) -> str | None:
     """The command that made the run, overrides included: ``argv`` with the program shown as ``kveval``
     (else env.json's ``command``)."""
-
-
     argv = env.get("argv")
     if isinstance(argv, list) and len(argv) > 1 and Path(str(argv[0])).name in ("kveval", "__main__.py"):
         return "kveval " + shlex.join(str(a) for a in argv[1:])
