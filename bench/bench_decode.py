@@ -48,7 +48,7 @@ from kveval.models import load_model
 from kveval.patch import QuantizedKVCache, cache_kwargs
 from kveval.patch import cache as cache_module
 from kveval.policy import KVPolicy
-from kveval.tasks._generation import left_padded
+from kveval.tasks.common.decoding import left_padded
 
 
 class StepClock(LogitsProcessor):
@@ -66,7 +66,7 @@ class StageTimer:
     """Milliseconds spent in the cache's stages (``--stages``) during the decode steps of the running
     ``generate`` (after its first step stamp: the prefill is left out)."""
 
-    STAGES = ((cache_module.LeanQuantizedLayer, "_assembled", "assemble"),
+    STAGES = ((cache_module.read_paths, "assembled", "assemble"),
               (cache_module.StoredChunk, "read_storage_into", "dequantize"),
               (cache_module.QuantizedKVLayer, "_flush", "quantize"))
 

@@ -20,9 +20,10 @@ import torch
 
 from kveval.models import load_model
 from kveval.policy import KVPolicy
-from kveval.tasks._generation import generate_answers
+from kveval.tasks.common.decoding import generate_answers
+from kveval.tasks.common.teacher import score_answer
 from kveval.tasks.needle.prompts import PASSKEY_FILLER, SentenceTokens, exact_match, split_sentences
-from kveval.tasks.needle.task import Params, score_answer, trial_prompt
+from kveval.tasks.needle.task import Params, trial_prompt
 
 
 def main() -> None:

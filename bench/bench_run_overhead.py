@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 import kveval.calibration.calibrate as calibrate_module
+import kveval.commands.report as report_module
 import kveval.models as models_module
-import kveval.report as report_module
 import kveval.tasks.perplexity.aggregate as perplexity_aggregate
 import kveval.tasks.perplexity.scorer as perplexity_scorer
 from kveval.commands.run import run_experiment

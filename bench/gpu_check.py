@@ -8,7 +8,7 @@ in one is recorded and the next runs):
 
 * ``equivalence``: per tiny attention family (GQA, sliding, MLA latent, linear-attention and Mamba hybrids) and
   dtype (float32, bfloat16), the KLD along the policy's own greedy path from ONE teacher-forced emulated pass
-  (``kveval.tasks.generation.teacher.path_kld``) against the KLD the real ``QuantizedKVCache`` gives while decoding
+  (``kveval.tasks.common.teacher.path_kld``) against the KLD the real ``QuantizedKVCache`` gives while decoding
   that path token by token beside the FP model's cache (``lockstep_generate``). On the CPU in float64 they agree to
   1e-9 (tests/test_generation_decode.py); in float32 and bfloat16 rounding moves quantization codes, so the check
   passes when the mean KLDs agree within ``TOLERANCE[dtype]`` (relative) and the policy differs from FP at all.
@@ -90,8 +90,8 @@ def big_model(cfg: dict | None, device: str, dtype: torch.dtype):
 def check_equivalence(s: dict) -> list[dict]:
     from kveval.models.builtin import build_tiny_model
     from kveval.policy import KVPolicy
-    from kveval.tasks.generation.decode import lockstep_generate
-    from kveval.tasks.generation.teacher import path_kld
+    from kveval.tasks.common.lockstep import lockstep_generate
+    from kveval.tasks.common.teacher import path_kld
 
     rows = []
     policy = KVPolicy.preset("int4_g32")  # divides every tiny family's widths (head_dim 32; MLA's 512 + 64)

@@ -298,7 +298,7 @@ def plan(
 ):
     """Mixed precision under a memory budget, from a scan: writes a ready-to-run config."""
     from kveval.commands.plan import plan_command
-    from kveval.tasks.sensitivity.engine_names import check_engine_names
+    from kveval.engines.names import check_engine_names
     from kveval.units import parse_count
 
     check_engine_names([engine] if engine else None)
@@ -317,7 +317,7 @@ def deploy(
     model: Annotated[str | None, typer.Option(help="The model name to put in the commands.")] = None,
 ):
     """Each policy in each engine's own syntax, or the nearest policies an engine can run with their cost."""
-    from kveval.tasks.sensitivity.engine_names import check_engine_names
+    from kveval.engines.names import check_engine_names
 
     check_engine_names(engine)  # before the heavy imports: a typo is refused at once
     from kveval.commands.deploy import deploy_command
@@ -423,7 +423,7 @@ def report(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (default: the run, or reports/DATE).")] = None,
 ):
     """Tables, plots and a self-contained HTML/Markdown report of one or several runs."""
-    from kveval.report import report_command
+    from kveval.commands.report import report_command
 
     folder = report_command([str(d) for d in run_dirs], str(out) if out else None)
     print(f"report: {folder / 'report.html'}")

@@ -6,12 +6,14 @@ key (``{mine: int2_g32, mine: int8}``, which safe_load resolves by silently keep
 stack) and aliases that expand to more than ``MAX_YAML_NODES`` nodes (a "billion laughs") are each one
 :class:`KvevalError` line. ``read_text_file(path, what)`` reads UTF-8 text (a UTF-8 byte order mark is dropped)
 and names UTF-16, other encodings and binary files in one line instead of a ``UnicodeDecodeError``.
+``is_finite_number(value)`` is what a number read from a JSON file must be.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeGuard
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -33,6 +35,11 @@ class Strict(BaseModel):
             values = getattr(self, name) or []
             if len(set(values)) != len(values):
                 raise ValueError(f"{name} has duplicates")
+
+
+def is_finite_number(value: Any) -> TypeGuard[float]:
+    """An int or float (not a bool) that is finite: what a number read from a JSON file must be."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _token_count(value: Any) -> Any:

@@ -18,12 +18,6 @@ def top_index(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
-def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Negative log-likelihood per position. logits ``[n, vocab]``, targets ``[n]`` -> ``[n]`` (float64)."""
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    return -logp.gather(-1, targets[:, None]).squeeze(-1)
-
-
 def compare_logits(base_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-position metrics of ``logits`` against the baseline's: all ``[n]`` float64 tensors.
 
@@ -204,6 +198,13 @@ def float32_values(values) -> list[float]:
     (``0.0012345678``, not ``0.0012345678359270096``): a record written and read back holds the same numbers."""
     return [float(s) for s in np.asarray(torch.as_tensor(values).cpu() if not isinstance(values, np.ndarray)
                                          else values, dtype=np.float32).astype(str)]
+
+
+def mean_of_present(values) -> float | None:
+    """The mean of the values that are not None (``math.fsum``: the same whatever their order); None when none
+    is. The per-task summaries (needle, RULER, generation) average their records with it."""
+    present = [v for v in values if v is not None]
+    return math.fsum(present) / len(present) if present else None
 
 
 def mean_and_uncertainty(total: float, total_sq: float, n: int) -> tuple[float, float]:

@@ -14,5 +14,5 @@ OUT=results/reference
 rm -rf "$OUT"
 "$KVEVAL" run configs/int4_g64.yaml --set "output=$OUT" --overwrite --quiet
 # kveval run writes the report itself; writing it again here keeps this script correct on its own
-"$PY" -c "import sys; from kveval.report import report_command; print(report_command([sys.argv[1]]))" "$OUT"
+"$PY" -c "import sys; from kveval.commands.report import report_command; print(report_command([sys.argv[1]]))" "$OUT"
 du -sh "$OUT"/report.html "$OUT"/plots "$OUT"/tables

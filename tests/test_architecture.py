@@ -23,12 +23,14 @@ PACKAGE = ROOT / "kveval"
 # never above; inside a layer, folders may import each other only one way (no circle, checked below).
 LAYERS: list[tuple[str, ...]] = [
     ("kveval", "kveval.errors", "kveval.units", "kveval.paths", "kveval.fileio", "kveval.schema", "kveval.progress",
-     "kveval.stats", "kveval.rope", "kveval.gguf", "kveval.task_definitions", "kveval.native"),  # foundations
+     "kveval.stats", "kveval.rope", "kveval.gguf", "kveval.task_definitions", "kveval.native",
+     "kveval.plugins"),  # foundations
     ("kveval.quant",),  # pure maths: formats, granularities, specs, rotations
     ("kveval.transforms",),  # K/V transforms on top of the quantizers
     ("kveval.policy",),  # what a policy is and when a token is quantized
     ("kveval.memory", "kveval.scales"),  # the memory bill (pure arithmetic); calibrated parameters as data
     ("kveval.models", "kveval.data"),  # loading models and corpora
+    ("kveval.engines",),  # what each serving engine runs, a policy in its syntax, its costs
     ("kveval.patch", "kveval.weights", "kveval.results"),  # model plumbing; weight variants; run folders
     ("kveval.report",),  # tables, figures, reports; the tasks' reporting plug-ins build on it
     ("kveval.tasks", "kveval.calibration", "kveval.parity"),  # evaluators; the calibration run; parity runs
@@ -201,7 +203,7 @@ def test_validate_and_memory_import_no_model_code():
 def test_the_config_imports_no_evaluator():
     """The config schema is built from the tasks' parameter modules alone (``kveval.tasks.task_params``)."""
     code = ("import sys, kveval.config; print(sorted(m for m in sys.modules if m.startswith('kveval.tasks.') "
-            "and m.endswith(('.task', '._generation', '._finite'))))")
+            "and m.endswith(('.task', '.decoding', '.finite', '.runner'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -15,6 +15,7 @@ from kveval.memory import Arch, kv_bytes
 from kveval.models import build_tiny_model
 from kveval.models.builtin import TINY_FAMILIES
 from kveval.patch import QuantizedKVCache, cache_kwargs, resident_nbytes, watch_peak
+from kveval.patch.cache import LayerHoldings, QuantizedKVLayer
 from kveval.policy import KVPolicy
 
 
@@ -66,8 +67,9 @@ def test_lean_equals_buffered_and_holds_its_bill(family):
         # pre-RoPE keys: the (cos, sin) of each held position besides the bill (the module docstring)
         rope = cl.rope_table_nbytes()
         for la in cl.layers:
-            if getattr(la, "rope_buf", None) is not None:  # exactly the held positions
-                assert la.rope_buf[0].shape[1] == la.get_seq_length() - la.evicted
+            rope_table = LayerHoldings(la).rope if isinstance(la, QuantizedKVLayer) else None
+            if rope_table is not None:  # exactly the held positions
+                assert rope_table[0].shape[1] == la.get_seq_length() - la.evicted
         assert (rope > 0) == (policy.name == "pre_rope"), (family, policy.name)
         assert resident_nbytes(cl) == held["total"] + held.get("state", 0) + rope, (family, policy.name)
         assert cb.nbytes() == held  # the same bill: the buffered path's extra is not counted in it

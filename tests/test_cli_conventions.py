@@ -83,8 +83,8 @@ def test_deploy_refuses_an_unknown_engine_before_importing_torch():
 
 
 def test_the_light_engine_names_are_the_engines():
-    from kveval.tasks.sensitivity.engine_names import ENGINE_NAMES
-    from kveval.tasks.sensitivity.engines import ENGINES
+    from kveval.engines.names import ENGINE_NAMES
+    from kveval.engines.tables import ENGINES
 
     assert tuple(ENGINES) == ENGINE_NAMES
 

@@ -74,7 +74,7 @@ def test_the_lm_eval_hook_refuses_an_include_folder_with_code(tmp_path):
 
 
 def test_omitted_at_default_is_read_from_each_tasks_params(tmp_path, monkeypatch):
-    assert TASK_TYPES["perplexity"].OMITTED_AT_DEFAULT == {"start_token": 0}
+    assert TASK_TYPES["perplexity"].OMITTED_AT_DEFAULT == {"start_token": 0, "batch_size": 1}
     declared = {name for name, cls in TASK_TYPES.items() if getattr(cls, "OMITTED_AT_DEFAULT", {})}
     assert declared == {"perplexity"}
     monkeypatch.setattr(TASK_TYPES[HOOKED], "OMITTED_AT_DEFAULT", {"trials": 2, "generate": True}, raising=False)

@@ -17,12 +17,14 @@ import pytest
 import torch
 import yaml
 
-from kveval.commands.deploy import Costs, NotExpressible, deploy, deploy_command, express, render
+from kveval.commands.deploy import deploy_command, render
 from kveval.commands.plan import plan_command
+from kveval.engines.costs import Costs
+from kveval.engines.express import NotExpressible, deploy, express
+from kveval.engines.tables import ENGINES
 from kveval.errors import KvevalError
 from kveval.memory import Arch, kv_bytes
 from kveval.policy import KVPolicy
-from kveval.tasks.sensitivity.engines import ENGINES
 from kveval.tasks.sensitivity.planner import plan
 
 # vLLM 0.33.0 vllm/config/cache.py CacheDType (L44-67)
@@ -289,7 +291,7 @@ def test_transformers_code_runs(tiny_llama):
 
 
 def test_measured_costs_come_from_a_run_folder(scan, tmp_path):
-    from kveval.report.synthetic import write_synthetic_run
+    from synthetic_runs import write_synthetic_run
 
     run = write_synthetic_run(tmp_path / "engines", policies=("vllm_nvfp4", "llamacpp_q4_0"), records=False)
     side = _plan_json(tmp_path, scan, "int4_g64")

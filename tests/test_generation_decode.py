@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from kveval.errors import KvevalError
+from kveval.models.builtin import TINY_FAMILIES, build_tiny_model
 from kveval.patch import emulate
 from kveval.policy import KVPolicy
-from kveval.tasks._generation import greedy_tokens
-from kveval.tasks.generation.decode import Sampling, lockstep_generate, sample_token
+from kveval.tasks.common.decoding import greedy_tokens
+from kveval.tasks.common.lockstep import Sampling, lockstep_generate, sample_token
 
 EOS = {2}
 PAD = 0
@@ -197,7 +198,7 @@ def test_the_kld_of_one_teacher_forced_pass_is_the_real_caches_while_decoding(ti
     """The task's KLD along a path (the FP model's greedy output for ``fp_path``, the policy's own for ``greedy``)
     from ONE teacher-forced pass, FP and emulated, equals at every step the KLD the lockstep loop measures while the
     real cache decodes that path token by token beside the FP model's cache (float64)."""
-    from kveval.tasks.generation.teacher import path_kld
+    from kveval.tasks.common.teacher import path_kld
 
     model, _ = tiny_llama64
     prompts = _prompts(model, (12, 7), seed=2)
@@ -211,7 +212,7 @@ def test_the_kld_of_one_teacher_forced_pass_is_the_real_caches_while_decoding(ti
 
 def test_the_fp_path_pass_works_in_chunks(tiny_llama64, monkeypatch):
     """The log-softmaxes of a long trajectory are formed a chunk at a time: the same numbers as in one piece."""
-    from kveval.tasks.generation import teacher
+    from kveval.tasks.common import teacher
 
     model, _ = tiny_llama64
     prompt, = _prompts(model, (9,), seed=3)
@@ -234,3 +235,26 @@ def test_both_read_paths_give_the_same_generation(tiny_llama64):
     assert [r.tokens for r in lean] == [r.tokens for r in buffered]
     for a, b in zip(lean, buffered):
         assert a.kld == pytest.approx(b.kld, rel=1e-12, abs=1e-15) and max(a.kld) > 1e-6
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_one_cache_decoding_gives_generate_s_tokens_on_every_family(family):
+    """The loop copies ``generate``'s position ids and mask handling (transformers 5.25): on every tiny attention
+    family, a left-padded batch decoded through one cache (the task's mode, ``measure_kld=False``) gives
+    ``generate``'s greedy tokens, plain and through the real quantized cache, so a transformers upgrade that
+    changes them shows here. A family whose design the real cache refuses is refused by both in one line."""
+    model = build_tiny_model(family)
+    prompts = _prompts(model)
+    eos = set()  # random weights: no row ends early, every step compared
+    for policy in (None, KVPolicy.preset("int4_g32")):
+        try:
+            expected = greedy_tokens(model, prompts, 6, policy, pad_id=PAD, eos_ids=eos)
+        except KvevalError as refused:
+            with pytest.raises(KvevalError) as again:
+                lockstep_generate(model, prompts, policy, driver="policy", max_new_tokens=6, eos_ids=eos, pad_id=PAD,
+                                  measure_kld=False)
+            assert str(again.value) == str(refused) and "\n" not in str(refused)
+            continue
+        rows = lockstep_generate(model, prompts, policy, driver="fp" if policy is None else "policy",
+                                 max_new_tokens=6, eos_ids=eos, pad_id=PAD, measure_kld=False)
+        assert [r.tokens for r in rows] == expected, (family, policy and policy.name)

@@ -320,3 +320,30 @@ def test_builtin_prompts_per_kind_are_a_prefix():
     # growing tasks_per_kind keeps the prompts already drawn (a resumed run with more prompts reuses its records)
     small, large = builtin_prompts(3, [], 7), builtin_prompts(6, [], 7)
     assert all(p in large for p in small)
+
+
+# ------------------------------------------------------------------------------------------------- aggregate
+
+
+def _generation_records(kld: list) -> list[dict]:
+    """The baseline's and policy int8's greedy records of one open-ended prompt, and int8's FP-path record."""
+    def rec(who, unit, values):
+        return {"key": f"generation/p0/{who}/{unit}", "task": "generation", "prompt": "p0", "policy": who,
+                "unit": unit, "tokens": [1, 2, 3], "ended": "length", "kld": values, "text": "abc"}
+
+    return [rec("baseline", "greedy", [0.0, 0.0, 0.0]), rec("int8", "greedy", kld), rec("int8", "fp_path", [0.1] * 3)]
+
+
+def test_aggregate_refuses_a_non_finite_record_in_one_line_naming_it():
+    from kveval.tasks.generation.aggregate import aggregate
+    from kveval.tasks.generation.params import Params
+    from kveval.tasks.generation.prompts import Prompt
+
+    prompts, params = [Prompt("p0", "text")], Params(max_new_tokens=3, kld_bins=1)
+    fine = aggregate(_generation_records([0.1, 0.2, 0.3]), prompts, ["int8"], params)
+    assert fine["policies"]["int8"]["gen_kld_mean"] == pytest.approx(0.2)
+    for bad in (math.nan, math.inf):
+        with pytest.raises(KvevalError) as err:
+            aggregate(_generation_records([0.1, bad, 0.3]), prompts, ["int8"], params)
+        assert "generation/p0/int8/greedy" in str(err.value) and "kld" in str(err.value)
+        assert f"{bad!r} at step 1" in str(err.value) and "\n" not in str(err.value)

@@ -61,7 +61,8 @@ def test_the_headline_is_the_mean_of_the_named_tasks_primary_metrics(lm_eval_run
 
 
 def test_the_report_shows_each_task_with_its_error_and_the_headline(lm_eval_run, tmp_path):
-    from kveval.report import load, report_command, tables
+    from kveval.commands.report import report_command
+    from kveval.report import load, tables
 
     path, _ = lm_eval_run
     res = load(path)

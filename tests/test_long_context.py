@@ -14,11 +14,11 @@ from twopaths import decoded_logits, emulated_logits, ids_for
 from kveval.errors import KvevalError
 from kveval.memory import Arch, kv_bytes
 from kveval.patch import QuantizedKVCache, cache_kwargs
-from kveval.patch.cache import left_padding_of
+from kveval.patch.cache import LayerHoldings, left_padding_of
 from kveval.patch.quantizers import layer_quantizers
 from kveval.policy import KVPolicy
 from kveval.stats import compare_logits
-from kveval.tasks._generation import generate_answer, generate_answers, greedy_tokens, left_padded
+from kveval.tasks.common.decoding import generate_answer, generate_answers, greedy_tokens, left_padded
 
 EMULATE = importlib.import_module("kveval.patch.emulate")  # the module (kveval.patch.emulate is the function)
 PERPLEXITY = importlib.import_module("kveval.tasks.perplexity.scorer")
@@ -160,7 +160,8 @@ def test_batched_cache_holds_the_sum_of_the_rows_bills_after_every_call(name, mo
             assert (held["codes"], held["scales"], held["residual"]) == want, (i, call)
         assert cache.nbytes()["total"] == sum(b.total for b in bills)
     for layer in cache.layers:
-        for run in (*layer.chunks_k, *layer.chunks_v):
+        view = LayerHoldings(layer)
+        for run in (*view.chunks("key"), *view.chunks("value")):
             assert torch.equal(run.read(), run.read_storage())
 
 

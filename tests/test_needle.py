@@ -12,7 +12,9 @@ from kveval.commands.run import run_experiment
 from kveval.config import validate
 from kveval.errors import KvevalError
 from kveval.policy import KVPolicy
-from kveval.tasks._generation import generate_answer
+from kveval.tasks.common import decoding
+from kveval.tasks.common.decoding import generate_answer
+from kveval.tasks.common.teacher import score_answer
 from kveval.tasks.needle import task as needle
 from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
@@ -24,7 +26,7 @@ from kveval.tasks.needle.prompts import (
     trial_rng,
 )
 from kveval.tasks.needle.reporting import plot_needle
-from kveval.tasks.needle.task import Params, aggregate, score_answer, trial_prompt
+from kveval.tasks.needle.task import Params, aggregate, trial_prompt
 
 CORPUS = (
     "The interpreter reads a line of input. It then parses the line into a syntax tree!\n\n"
@@ -294,13 +296,13 @@ def test_batched_generation_gives_each_trial_the_answer_it_gets_alone(tmp_path, 
     """Trials of one context generated in batches of 4 (6 trials: a full and a partial batch) record what
     batch_size 1 records (float64: no batch rounding), and generation runs once per batch, not per trial."""
     sizes = []
-    real = needle.generate_answers
+    real = decoding.generate_answers
 
     def counting(model, tok, prompts, *a, **k):
         sizes.append(len(prompts))
         return real(model, tok, prompts, *a, **k)
 
-    monkeypatch.setattr(needle, "generate_answers", counting)
+    monkeypatch.setattr(decoding, "generate_answers", counting)
     runs = {}
     for size in (1, 4):
         raw = tiny_config(tmp_path / f"b{size}", depths=[0.0, 0.5, 1.0], trials=2, batch_size=size)

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from kveval.report.synthetic import write_synthetic_run
+from synthetic_runs import write_synthetic_run
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

@@ -6,6 +6,7 @@ from twopaths import decoded_logits, emulated_logits, ids_for
 
 from kveval.errors import KvevalError
 from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
+from kveval.patch.cache import LayerHoldings
 from kveval.policy import KVPolicy
 from kveval.quant import QuantSpec
 
@@ -195,7 +196,8 @@ def test_cache_reads_equal_a_fresh_dequantization_of_the_packed_storage(name, ti
         policy = KVPolicy.from_config({"spec": {"format": "int", "bits": 3, "mapping": "asymmetric", "granularity": "group", "group_size": 32}})
     _, cache = decoded_logits(model, ids_for(model, 30), policy)
     for layer in cache.layers:
-        for chunk in (*layer.chunks_k, *layer.chunks_v):
+        view = LayerHoldings(layer)
+        for chunk in (*view.chunks("key"), *view.chunks("value")):
             assert torch.equal(chunk.read(), chunk.read_storage())
 
 

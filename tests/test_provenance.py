@@ -75,7 +75,8 @@ def test_ls_shows_the_kind():
 
 
 def test_the_report_verdict_table_shows_the_kind(tmp_path):
-    from kveval.report.synthetic import write_synthetic_run
+    from synthetic_runs import write_synthetic_run
+
     from kveval.report.tables import verdict_table
     from kveval.results import load
 

@@ -1,5 +1,5 @@
 """Reports: every plot on a synthetic results folder, the self-contained HTML, optional tasks, corrupt input,
-several runs. No model: the folders are written by hand (kveval.report.synthetic)."""
+several runs. No model: the folders are written by hand (tests/synthetic_runs.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import shutil
 
 import pandas as pd
 import pytest
+from synthetic_runs import write_synthetic_run
 
+from kveval.commands.report import report_command, write_run_report
 from kveval.errors import KvevalError
-from kveval.report import load, plots, report_command, write_run_report
+from kveval.report import load, plots
 from kveval.report.reading import kv_pairs, reading_of
-from kveval.report.synthetic import write_synthetic_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

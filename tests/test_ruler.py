@@ -18,7 +18,8 @@ from kveval.config import validate
 from kveval.data import load_text
 from kveval.errors import KvevalError
 from kveval.models import byte_tokenizer
-from kveval.tasks._prompts import SentenceTokens, split_sentences
+from kveval.tasks.common import decoding
+from kveval.tasks.common.prompts import SentenceTokens, split_sentences
 from kveval.tasks.ruler import task as ruler
 from kveval.tasks.ruler.prompts import (
     DEPTH_GRID,
@@ -463,13 +464,13 @@ def test_batched_generation_gives_each_sample_the_answer_it_gets_alone(tmp_path,
     """The 3 samples of a cell generated in batches of 2 (a full and a partial batch) record what batch_size 1
     records (float64: no batch rounding), and generation runs once per batch, not per sample."""
     sizes = []
-    real = ruler.generate_answers
+    real = decoding.generate_answers
 
     def counting(model, tok, prompts, *a, **k):
         sizes.append(len(prompts))
         return real(model, tok, prompts, *a, **k)
 
-    monkeypatch.setattr(ruler, "generate_answers", counting)
+    monkeypatch.setattr(decoding, "generate_answers", counting)
     runs = {}
     for size in (1, 2):
         raw = tiny_raw(tmp_path / f"b{size}", families=["niah_single_2"], lengths=[600], samples=3, batch_size=size)

@@ -27,6 +27,7 @@ from twopaths import decoded_logits, emulated_logits, ids_for
 
 from kveval.errors import KvevalError
 from kveval.patch import QuantizedKVCache, cache_kwargs
+from kveval.patch.cache import LayerHoldings
 from kveval.policy import KVPolicy
 from kveval.quant import QuantSpec
 
@@ -229,10 +230,10 @@ def test_emulation_equals_the_real_cache_under_every_schedule(name, P, prefill, 
         baseline = model(ids).logits
     assert (emulated - baseline).abs().max() > 1e-6, "the policy must change something, or the test proves nothing"
     torch.testing.assert_close(emulated, decoded, rtol=0, atol=1e-9)
-    layer = cache.layers[0]
+    layer = LayerHoldings(cache.layers[0])
     n = ids.shape[1]
-    for kind, q_end in (("key", layer.q_end_k), ("value", layer.q_end_v)):
-        assert q_end == policy.quantized_block_end(n, kind, prompt=max(P, 1)), kind
+    for kind in ("key", "value"):
+        assert layer.quantized_end(kind) == policy.quantized_block_end(n, kind, prompt=max(P, 1)), kind
 
 
 def test_channel_token_groups_statistics():

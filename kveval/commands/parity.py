@@ -101,23 +101,27 @@ def _tool_report(module, rows: list, folder: Path, model: str) -> Path:
     tool beside kveval) and the printed tables."""
     import pandas as pd
 
-    from kveval.report.tables import llama_stats_table, to_markdown
+    from kveval.report.document import Block, to_markdown
+    from kveval.report.tables import llama_stats_table
+
+    def table(df) -> str:  # one table as report.md renders it, without the document's final newline
+        return to_markdown([Block("table", df)]).removesuffix("\n")
 
     tool = module.TOOL
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(folder / "parity.json", {"system": module.SYSTEM, "tool": tool, "model": model,
                                                "rows": [r.to_dict() for r in rows]})
-    head = to_markdown(pd.DataFrame(module.summary_rows(rows)))
+    head = table(pd.DataFrame(module.summary_rows(rows)))
     parts = [f"# kveval parity {module.SYSTEM} --tool perplexity ({model})", "", head]
     for r in rows:
         sides = {tool: r.system, "kveval": r.kveval} if r.system else {"kveval": r.kveval}
         parts += ["", f"## {r.cache_type} (kveval: {r.preset}; {r.tokens} scored tokens)", "", r.notes, ""]
         if r.command:
             parts += ["```", r.command, "```", ""]
-        parts.append(to_markdown(llama_stats_table(sides)))
+        parts.append(table(llama_stats_table(sides)))
     atomic_write_text(folder / "parity.md", "\n".join(parts) + "\n")
     for r in rows:
         print(f"\n{r.cache_type} (kveval {r.preset}, {r.tokens} tokens)")
-        print(to_markdown(llama_stats_table({tool: r.system, "kveval": r.kveval} if r.system else {"kveval": r.kveval})))
+        print(table(llama_stats_table({tool: r.system, "kveval": r.kveval} if r.system else {"kveval": r.kveval})))
     print(f"parity: {folder / 'parity.json'}")
     return folder

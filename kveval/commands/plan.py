@@ -11,6 +11,7 @@ import yaml
 
 from kveval.errors import KvevalError
 from kveval.memory import fp16_bytes, kv_bytes
+from kveval.policy.plan_file import PlanFile, PlannedLayer, UniformPlan
 from kveval.tasks.sensitivity.planner import GENERATED_DIR, nearest_uniform, plan, uniform_prediction
 
 
@@ -39,7 +40,7 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     Bad input is one KvevalError line before anything is written: a scan whose metrics.json misses fields or holds
     wrong ones (:func:`kveval.tasks.sensitivity.planner.check_scan`), a budget below the smallest plan, a context
     out of range, an ``--out`` that cannot be written."""
-    from kveval.results import atomic_write_json, atomic_write_text, read_config, read_metrics
+    from kveval.results import atomic_write_text, read_config, read_metrics
 
     scan_dir = Path(scan_dir)
     metrics = read_metrics(scan_dir)
@@ -55,7 +56,7 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
         path = path / f"{name}.yaml"
     scanned = list(metrics["sensitivity"]["specs"])
     if engine:
-        from kveval.tasks.sensitivity.engines import ENGINES
+        from kveval.engines.tables import ENGINES
 
         pool = [s for s in ENGINES[engine].candidates(scanned) if s != "none"]
     else:
@@ -103,21 +104,21 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
          if metrics["sensitivity"].get("token_end") else
          "# The perplexity windows start at the corpus start: the scan's tokens are part of them (older scan)."),
     ]
+    plan_file = PlanFile(  # the schema's checks before either file is written
+        scan=str(scan_dir), command=cmd, config=path.as_posix(), budget=p.budget.text,
+        budget_bytes=p.budget_bytes, context=p.context, arch=p.arch.to_dict(),
+        total_bytes=p.total_bytes, bits_per_element=p.bits_per_element,
+        bytes_per_token=p.total_bytes / p.context, fraction_of_fp16=p.total_bytes / fp16,
+        predicted_kld_sum=p.predicted_kld_sum, predicted_delta_ppl_pct=p.predicted_delta_ppl_pct,
+        estimated_specs=p.estimated, allow_fp=allow_fp, engine=engine,
+        layers=[PlannedLayer(layer=i, key=k, value=v) for i, (k, v) in enumerate(zip(p.key, p.value))],
+        policy=p.policy_config(),
+        uniform={s: UniformPlan(bits_per_element=bills[s].bits_per_element, total_bytes=bills[s].total,
+                                predicted_kld_sum=predictions[s]) for s in uniform},
+    )
     text = "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False, width=110)
     atomic_write_text(path, text)
-    sidecar = {
-        "scan": str(scan_dir), "command": cmd, "config": path.as_posix(), "budget": p.budget.text,
-        "budget_bytes": p.budget_bytes, "context": p.context, "arch": p.arch.to_dict(),
-        "total_bytes": p.total_bytes, "bits_per_element": p.bits_per_element,
-        "bytes_per_token": p.total_bytes / p.context, "fraction_of_fp16": p.total_bytes / fp16,
-        "predicted_kld_sum": p.predicted_kld_sum, "predicted_delta_ppl_pct": p.predicted_delta_ppl_pct,
-        "estimated_specs": p.estimated, "allow_fp": allow_fp, "engine": engine,
-        "layers": [{"layer": i, "key": k, "value": v} for i, (k, v) in enumerate(zip(p.key, p.value))],
-        "policy": p.policy_config(),
-        "uniform": {s: {"bits_per_element": bills[s].bits_per_element, "total_bytes": bills[s].total,
-                        "predicted_kld_sum": predictions[s]} for s in uniform},
-    }
-    atomic_write_json(path.with_name(path.stem + ".plan.json"), sidecar)
+    plan_file.write(path.with_name(path.stem + ".plan.json"))
     counts = {s: (p.key.count(s), p.value.count(s)) for s in dict.fromkeys(p.key + p.value)}
     print(f"plan under {p.budget.describe(p.arch, p.context)}")
     print(f"  planned: {p.bits_per_element:.4f} bits/element, predicted summed KLD {p.predicted_kld_sum:.4g}, "

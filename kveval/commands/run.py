@@ -119,7 +119,7 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     run.write_metrics(metrics)
     run.write_env(env, started=started, finished=now())
     _print_tables(ctx.console, metrics, cfg)
-    from kveval.report import write_run_report
+    from kveval.commands.report import write_run_report
 
     write_run_report(run.path)  # a report that fails is one line and a non-zero exit; the results stay
     ctx.console.print(f"results: {run.path}/")

@@ -433,14 +433,3 @@ def self_noise(model, ids: torch.Tensor, policy: KVPolicy, logits: torch.Tensor,
     finally:
         emb.data.copy_(saved)
     return float(compare_logits(logits[:-1], other[:-1], ids[1:])["kld"].mean())
-
-
-def format_rows(rows: list[ParityRow]) -> str:
-    """A plain-text table of rows (cache type, ref/kveval ΔPPL % and KLD, kld_between, ratio)."""
-    head = f"{'cache type':<18} {'ref dPPL%':>9} {'ref KLD':>10} {'kv dPPL%':>9} {'kv KLD':>10} {'between':>10} {'ratio':>7}"
-    lines = [head]
-    for r in rows:
-        ratio = "inf" if math.isinf(r.ratio) else f"{r.ratio:.4f}"
-        lines.append(f"{r.cache_type:<18} {r.ref_delta_ppl_pct:>9.3f} {r.ref_kld:>10.3g} {r.kv_delta_ppl_pct:>9.3f} "
-                     f"{r.kv_kld:>10.3g} {r.kld_between:>10.3g} {ratio:>7}")
-    return "\n".join(lines)

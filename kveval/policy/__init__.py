@@ -7,7 +7,8 @@
 - ``selectors``: the layer selector grammar (``"0-3"``, ``"last 2"``, ...);
 - ``masks``: the quantization schedule (which token is read in full precision by which query);
 - ``presets``: the one table of named policies (name -> config + description);
-- ``plan_file``: a ``kveval plan`` file read back (a config's ``plan:``, the predictions its run reports).
+- ``plan_file``: the ``kveval plan`` file's one schema (``PlanFile``), written by ``kveval plan`` and read back
+  (a config's ``plan:``, the predictions its run reports, ``kveval deploy``).
 
 Pure data and maths: nothing here imports transformers.
 """

@@ -1,6 +1,7 @@
 """Reports: load a results folder into pandas, draw the figures, write Markdown + self-contained HTML.
 
-    from kveval.report import load, plots, report_command
+    from kveval.report import load, plots
+    from kveval.commands.report import report_command
     res = load("results/int4_g64")        # RunResults: summary, positions, layers, memory, the tasks' tables...
     plots.quality_vs_memory(res)          # a matplotlib Figure
     report_command(["results/int4_g64"])  # report.md, report.html, tables/*.csv, plots/*.png in the run folder
@@ -29,18 +30,12 @@ def load(run_dir: str | Path) -> RunResults:
     return load_generic(run_dir, task_columns=summary_keys(), task_tables=task_tables)
 
 
-_EXPORTS = {
-    "report_command": "kveval.report.render",
-    "write_run_report": "kveval.report.render",
-}
-_MODULES = ("plots", "tables", "render", "synthetic", "sections", "document", "reading", "style")
+_MODULES = ("plots", "tables", "render", "sections", "document", "reading", "style")
 
-__all__ = ["RunResults", "load", "read_metrics", *_EXPORTS, *_MODULES]
+__all__ = ["RunResults", "load", "read_metrics", *_MODULES]
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name in _MODULES:
         return importlib.import_module(f"kveval.report.{name}")
     raise AttributeError(f"module 'kveval.report' has no attribute {name!r}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import pkgutil
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,14 +24,14 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kveval.plugins import TASKS_PACKAGE, task_modules  # TASKS_PACKAGE: a test points it elsewhere
+
 if TYPE_CHECKING:
     import pandas as pd
 
     from kveval.report.blocks import Block
     from kveval.results import RunResults
 
-#: where the task packages are (found by name, as :mod:`kveval.tasks` finds them)
-TASKS_PACKAGE = "kveval.tasks"
 #: the module of a task package that holds its reporting plug-in, and the plug-in's name there
 REPORTING_MODULE, REPORTING_NAME = "reporting", "REPORTING"
 TASK_FIGURE_DPI = 110
@@ -73,22 +72,21 @@ class TaskReporting:
 
 @cache
 def task_reporting() -> dict[str, TaskReporting]:
-    """``{task name: its TaskReporting}`` for every task package with a ``reporting.py`` module, in name order.
-    A module that does not define a :class:`TaskReporting` named ``REPORTING`` of its own kind is a TypeError (a
-    bug in the plug-in, shown in full)."""
-    spec = importlib.util.find_spec(TASKS_PACKAGE)
-    paths = list(spec.submodule_search_locations or []) if spec is not None else []
+    """``{task name: its TaskReporting}`` for every task (:func:`kveval.plugins.task_modules`: the registry's rule)
+    that has one: a package's ``reporting.py`` module, a single-module task's own module, each defining a
+    :class:`TaskReporting` named ``REPORTING``; in name order. A plug-in of another kind is a TypeError (a bug in
+    the plug-in, shown in full)."""
     out: dict[str, TaskReporting] = {}
-    for info in sorted(pkgutil.iter_modules(paths), key=lambda i: i.name):
-        if not info.ispkg or info.name.startswith("_"):
-            continue
-        name = f"{TASKS_PACKAGE}.{info.name}.{REPORTING_MODULE}"
+    for task, is_package in task_modules(TASKS_PACKAGE).items():
+        name = f"{TASKS_PACKAGE}.{task}" + (f".{REPORTING_MODULE}" if is_package else "")
         if importlib.util.find_spec(name) is None:
             continue
         plugin = getattr(importlib.import_module(name), REPORTING_NAME, None)
-        if not isinstance(plugin, TaskReporting) or plugin.kind != info.name:
-            raise TypeError(f"{name}.{REPORTING_NAME} is not a TaskReporting of kind {info.name!r}")
-        out[info.name] = plugin
+        if plugin is None and not is_package:
+            continue  # a single-module task without a part of the report
+        if not isinstance(plugin, TaskReporting) or plugin.kind != task:
+            raise TypeError(f"{name}.{REPORTING_NAME} is not a TaskReporting of kind {task!r}")
+        out[task] = plugin
     return out
 
 

@@ -1,10 +1,10 @@
-"""The report's tables: pandas frames for ``tables/*.csv`` and their Markdown / HTML renderings."""
+"""The report's tables: pandas frames for ``tables/*.csv``, the readable tables built from them, and the
+formatting of their cells (:func:`format_number`, :func:`cell_text`...); :mod:`kveval.report.document` renders
+them as Markdown and HTML."""
 
 from __future__ import annotations
 
-import html
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -228,11 +228,6 @@ def _checked(policy: str) -> str:
     return "" if check is None else check.kind
 
 
-def specs_table(res: RunResults) -> pd.DataFrame:
-    """Policy name and its specification in words (the baseline included)."""
-    return res.summary[["policy", "spec"]].reset_index(drop=True)
-
-
 def memory_table(res: RunResults) -> pd.DataFrame:
     """The memory bill per policy at the run's context (batch 1), formatted: codes, scales (+ zero points),
     full-precision tokens, total (binary units), bytes per token and compression against FP16."""
@@ -406,68 +401,44 @@ def csv_safe(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-# ------------------------------------------------------------------------------------------- rendering
+def plan_table(res: RunResults) -> pd.DataFrame:
+    """Predicted (``kveval plan``) against measured KLD and ΔPPL for the planned policy and the uniform policies of
+    nearest memory; empty unless the run's config named a ``plan:``. KLD is the mean per-token KLD (the plan
+    predicts it as the sum of the scanned one-tensor KLDs, assuming they add up)."""
+    plan = (res.metrics or {}).get("plan") or {}
+    predicted = plan.get("predicted") or {}
+    if not predicted or res.summary.empty:
+        return pd.DataFrame()
+    rows = []
+    by_policy = res.summary.set_index("policy")
+    for name, pred in predicted.items():
+        if name not in by_policy.index:
+            continue
+        m = by_policy.loc[name]
+
+        def num(v, spec):
+            return "" if v is None or pd.isna(v) else format(v, spec)
+
+        rows.append({
+            "policy": name,
+            "bits/elem": num(m.get("bits_per_element"), ".3f"),
+            "predicted KLD": num(pred.get("kld"), ".4g"),
+            "measured KLD": num(m.get("kld_mean"), ".4g"),
+            "predicted ΔPPL %": num(pred.get("delta_ppl_pct"), "+.2f"),
+            "measured ΔPPL %": num(m.get("delta_ppl_pct"), "+.2f"),
+        })
+    return pd.DataFrame(rows)
 
 
-def to_markdown(df: pd.DataFrame) -> str:
-    """A GitHub Markdown table (no tabulate dependency); numbers right-aligned."""
-    if df.empty:
-        return "_(empty)_"
-    cols = list(df.columns)
-    cells = [[_cell(v) for v in row] for row in df.itertuples(index=False)]
-    numeric = [all(_looks_numeric(c[i]) for c in cells if c[i]) for i in range(len(cols))]
-    head = "| " + " | ".join(md_cell(str(c)) for c in cols) + " |"
-    sep = "|" + "|".join("---:" if n else ":---" for n in numeric) + "|"
-    body = ["| " + " | ".join(md_cell(c) for c in row) + " |" for row in cells]
-    return "\n".join([head, sep, *body])
+# ------------------------------------------------------------------------------------------- cells
 
 
-def md_cell(text: str) -> str:
-    """``text`` as one Markdown table cell: ``|`` escaped, line breaks (``\\r``, ``\\n``, the Unicode ones) as
-    ``<br>``, so that a policy or run name can neither end its cell nor start a new row; backslashes before a
-    ``|`` are doubled so that they cannot cancel its escape (and still show as typed)."""
-    text = re.sub(r"(\\*)\|", lambda m: m.group(1) * 2 + "\\|", text)
-    return "<br>".join(text.splitlines()) if any(c in text for c in "\r\n\v\f\x1c\x1d\x1e\x85\u2028\u2029") else text
-
-
-def to_html(df: pd.DataFrame, caption: str | None = None) -> str:
-    """A plain HTML table (escaped, no links), verdict cells classed ``pass`` / ``fail`` for the stylesheet."""
-    parts = ["<table>"]
-    if caption:
-        parts.append(f"<caption>{html.escape(caption)}</caption>")
-    parts.append("<thead><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns) + "</tr></thead>")
-    parts.append("<tbody>")
-    for row in df.itertuples(index=False):
-        tds = []
-        for col, v in zip(df.columns, row):
-            text = _cell(v)
-            word = text.split(" ")[0]
-            cls = f' class="{word}"' if col == "verdict" and word in ("pass", "fail", "within_noise", "inconclusive") else (
-                ' class="num"' if _looks_numeric(text) else "")
-            tds.append(f"<td{cls}>{html.escape(text)}</td>")
-        parts.append("<tr>" + "".join(tds) + "</tr>")
-    parts.append("</tbody></table>")
-    return "\n".join(parts)
-
-
-def _cell(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
+def cell_text(v) -> str:
+    """A table cell as the report shows it: empty for None and NaN, a float with three significant digits,
+    anything else as text (the tables above format their own cells; :mod:`kveval.report.document` renders them)."""
     if isinstance(v, float):
         return _g(v)
-    return str(v)
-
-
-def _looks_numeric(text: str) -> bool:
-    """A cell that is a number, with its unit, its ± uncertainty or its (MDE) / [CI] after it: right-aligned like
-    every other number of its column."""
-    t = text.replace(",", "").replace("×", "").replace("%", "").strip()
-    t = re.split(r" ± | \(| \[", t, maxsplit=1)[0]
-    try:
-        float(t)
-        return True
-    except ValueError:
-        return False
+    return "" if v is None else str(v)
 
 
 def has_value(v) -> bool:
@@ -500,36 +471,7 @@ def _g(v) -> str:
     return "" if not _ok(v) else f"{float(v):.3g}"
 
 
-__all__ = ["glance_table", "deployment_memory", "context_label", "GLANCE_COLUMNS", "summary", "llama_perplexity_frame", "llama_stats_table", "SUMMARY_EXTRA", "verdict_table", "task_entries", "task_entry_table", "specs_table", "memory_table", "write_csvs", "to_markdown", "to_html",
-           "md_cell", "csv_safe", "csv_safe_cell", "weights_frame", "weights_table", "WEIGHTS_COLUMNS",
-           "format_general", "format_number", "has_value", "is_number"]
-
-
-def plan_table(res: RunResults) -> pd.DataFrame:
-    """Predicted (``kveval plan``) against measured KLD and ΔPPL for the planned policy and the uniform policies of
-    nearest memory; empty unless the run's config named a ``plan:``. KLD is the mean per-token KLD (the plan
-    predicts it as the sum of the scanned one-tensor KLDs, assuming they add up)."""
-    plan = (res.metrics or {}).get("plan") or {}
-    predicted = plan.get("predicted") or {}
-    if not predicted or res.summary.empty:
-        return pd.DataFrame()
-    rows = []
-    by_policy = res.summary.set_index("policy")
-    for name, pred in predicted.items():
-        if name not in by_policy.index:
-            continue
-        m = by_policy.loc[name]
-
-        def num(v, spec):
-            return "" if v is None or pd.isna(v) else format(v, spec)
-
-        rows.append({
-            "policy": name,
-            "bits/elem": num(m.get("bits_per_element"), ".3f"),
-            "predicted KLD": num(pred.get("kld"), ".4g"),
-            "measured KLD": num(m.get("kld_mean"), ".4g"),
-            "predicted ΔPPL %": num(pred.get("delta_ppl_pct"), "+.2f"),
-            "measured ΔPPL %": num(m.get("delta_ppl_pct"), "+.2f"),
-        })
-    return pd.DataFrame(rows)
-
+__all__ = ["glance_table", "deployment_memory", "context_label", "GLANCE_COLUMNS", "summary", "llama_perplexity_frame",
+           "llama_stats_table", "SUMMARY_EXTRA", "verdict_table", "task_entries", "task_entry_table", "memory_table",
+           "plan_table", "write_csvs", "csv_safe", "csv_safe_cell", "weights_frame", "weights_table",
+           "WEIGHTS_COLUMNS", "cell_text", "format_general", "format_number", "has_value", "is_number"]

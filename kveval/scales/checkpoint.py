@@ -216,12 +216,6 @@ def load_checkpoint_scales(target: str | Path, engine: str | None = None) -> Che
     return CheckpointScales(header=header, tensors=tensors, path=str(folder), scheme=scheme, engine=engine)
 
 
-def has_kv_scheme(folder: str | Path) -> bool:
-    """Whether a local folder declares a KV scheme (False for anything that is not a model folder)."""
-    folder = Path(folder)
-    return folder.is_dir() and (folder / "config.json").is_file() and read_scheme(folder) is not None
-
-
 # ------------------------------------------------------------------------------------------------- the policy side
 def default_engine(raw_policy) -> str | None:
     """The engine whose checkpoint loading a policy's config form follows by default: its preset's engine
@@ -327,6 +321,6 @@ def checkpoint_targets(model_name: str, raw_policies: dict, policies: dict) -> d
 
 __all__ = ["CHECKPOINT_SCALES", "ENGINES", "PRESET_ENGINES", "PRODUCERS", "SCALE_NAMES", "STRATEGIES",
            "CheckpointScales", "KVScheme", "ScalesOut", "asks_checkpoint", "check_policy", "check_scale",
-           "checkpoint_targets", "default_engine", "engine_scales", "fp8_scale", "has_kv_scheme",
-           "is_checkpoint_target", "kv_cache_config", "load_checkpoint_scales", "model_shape",
+           "checkpoint_targets", "default_engine", "engine_scales", "fp8_scale", "is_checkpoint_target",
+           "kv_cache_config", "load_checkpoint_scales", "model_shape",
            "read_scale_tensors", "read_scheme", "scale_tensor_names", "split_target", "target_of", "text_config"]

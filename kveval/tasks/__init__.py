@@ -5,7 +5,10 @@ to the folder's name, and ``Params``, a closed pydantic model of its parameters 
 and a ``task.py`` (``run(ctx, params) -> metrics`` and optionally ``check(ctx, params)``, which raises
 ``KvevalError`` for bad input before the results folder is touched; ``ctx`` is a
 :class:`kveval.tasks.context.TaskContext`). A single module ``kveval/tasks/<name>.py`` defining all four is a task
-too. Adding a task is adding a folder (or a file): see docs/extending.md.
+too; every name in this folder is a task but ``common`` (what tasks share: the unit runner, decoding, teacher-
+forced scoring, prompts, the finite checks), ``context`` and a name with a leading underscore
+(:mod:`kveval.plugins`, the one rule the report follows too). Adding a task is adding a folder (or a file): see
+docs/extending.md.
 
 What the config (:mod:`kveval.config`) asks of a task, from its parameter module alone, all optional:
 
@@ -32,25 +35,22 @@ top-level ``tasks/presets/`` (:mod:`kveval.task_definitions`), shipped with the 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
+from kveval.plugins import task_modules
 from kveval.task_definitions import PRESETS_DIR
-
-#: modules of this folder that are not tasks
-NOT_TASKS = frozenset({"context"})
 
 
 class _TaskRegistry(Mapping[str, ModuleType]):
-    """name -> task module, importing a module only when it is looked up."""
+    """name -> task module, importing a module only when it is looked up; what is a task is
+    :func:`kveval.plugins.task_modules`' rule (the report's too)."""
 
     def __init__(self) -> None:
-        infos = sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name)
-        found = [i for i in infos if not i.name.startswith("_") and i.name not in NOT_TASKS]
-        self._paths = {i.name: f"{__name__}.{i.name}" + (".task" if i.ispkg else "") for i in found}
-        self._params = {i.name: f"{__name__}.{i.name}" + (".params" if i.ispkg else "") for i in found}
+        found = task_modules(__name__, list(__path__))
+        self._paths = {n: f"{__name__}.{n}" + (".task" if pkg else "") for n, pkg in found.items()}
+        self._params = {n: f"{__name__}.{n}" + (".params" if pkg else "") for n, pkg in found.items()}
         self._loaded: dict[str, ModuleType] = {}
 
     def __getitem__(self, name: str) -> ModuleType:

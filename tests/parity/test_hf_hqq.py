@@ -21,6 +21,7 @@ from kveval.memory import Arch, kv_bytes  # noqa: E402
 from kveval.parity import hf_hqq, hf_quanto  # noqa: E402
 from kveval.parity.hf_quanto import decode_with  # noqa: E402
 from kveval.patch import QuantizedKVCache  # noqa: E402
+from kveval.patch.cache import LayerHoldings  # noqa: E402
 from kveval.policy import KVPolicy  # noqa: E402
 from kveval.quant import QuantSpec, dequantize, packed_nbytes, quantize  # noqa: E402
 from kveval.quant.formats.hqq import hqq_fit  # noqa: E402
@@ -220,8 +221,8 @@ def test_re_quantization_keeps_the_stored_values(tiny_llama):
     for ours, theirs in zip(cache.layers, ref_cache.layers):
         for kind, qt in (("key", theirs._quantized_keys), ("value", theirs._quantized_values)):
             stored = Quantizer.dequantize(*qt)
-            mine = ours.held(kind)[:, :, :stored.shape[2]]
-            assert stored.shape[2] == ours.q_end_k == 34  # 2 + 4 flushes of 8
+            mine = LayerHoldings(ours).held(kind)[:, :, :stored.shape[2]]
+            assert stored.shape[2] == LayerHoldings(ours).quantized_end("key") == 34  # 2 + 4 flushes of 8
             ulp = torch.finfo(torch.float32).eps * mine.abs().amax(dim=-1, keepdim=True)
             assert ((stored - mine).abs() <= 8 * ulp).all()
 

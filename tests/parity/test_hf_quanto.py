@@ -8,6 +8,7 @@ import torch
 
 from kveval.parity import hf_quanto
 from kveval.patch import QuantizedKVCache
+from kveval.patch.cache import LayerHoldings
 from kveval.policy import KVPolicy
 
 pytest.importorskip("optimum.quanto")
@@ -62,8 +63,8 @@ def test_re_quantization_moves_a_stored_value_by_at_most_an_ulp(tiny_llama):
     for ours, theirs in zip(cache.layers, ref_cache.layers):
         for kind, qt in (("key", theirs._quantized_keys), ("value", theirs._quantized_values)):
             stored = theirs._dequantize(qt)
-            mine = ours.held(kind)[:, :, :stored.shape[2]]
-            assert stored.shape[2] == ours.q_end_k == 33  # 1 + 4 flushes of 8
+            mine = LayerHoldings(ours).held(kind)[:, :, :stored.shape[2]]
+            assert stored.shape[2] == LayerHoldings(ours).quantized_end("key") == 33  # 1 + 4 flushes of 8
             # a scale (or min) that moved by an ulp moves x̂ = q * s + min by q ulps of s: bounded by ulps of the
             # group's largest magnitude (the group is a whole head_dim row here)
             ulp = torch.finfo(torch.float32).eps * mine.abs().amax(dim=-1, keepdim=True)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from synthetic_runs import write_synthetic_run
 from typer.testing import CliRunner
 
 from kveval.cli import app
-from kveval.report import report_command
-from kveval.report.synthetic import write_synthetic_run
+from kveval.commands.report import report_command
 from kveval.results import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[2]

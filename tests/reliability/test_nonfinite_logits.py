@@ -4,7 +4,7 @@ one line (exit status 2) that says whose fault it is, and writes no NaN record, 
 Two ways to make logits non-finite, both on tiny random models: the model's own (finite weights whose activations
 overflow float16: the baseline's logits are NaN), or a policy's (a forward hook that poisons the LM head while a
 quantized cache is emulated or decoded; the baseline stays finite). The perplexity task's own cases are in
-test_inputs_models.py; the check itself (``kveval.tasks._finite``) is shared by all tasks.
+test_inputs_models.py; the check itself (``kveval.tasks.common.finite``) is shared by all tasks.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def test_lm_eval_nan_metric_is_refused_and_nan_stderr_is_null():
 def test_non_finite_kind_by_hand():
     """The check's shortcut (a finite sum proves every element finite) and its fall-through: large finite logits
     whose float32 sum overflows are finite; one NaN, or +inf beside -inf (a NaN sum), is named by its kind."""
-    from kveval.tasks._finite import non_finite_kind
+    from kveval.tasks.common.finite import non_finite_kind
 
     x = torch.randn(4, 100)
     assert non_finite_kind(x) is None

@@ -2,7 +2,7 @@
 (kveval.fileio.atomic_path). An interrupted or failed figure write leaves the previous figure whole (or none), never
 a truncated PNG and never a temporary file; a symbolic link in a figure's place is replaced, never written through.
 
-No model: figures are drawn from hand-written metrics or a synthetic run (kveval.report.synthetic).
+No model: figures are drawn from hand-written metrics or a synthetic run (tests/synthetic_runs.py).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from matplotlib.figure import Figure
+from synthetic_runs import write_synthetic_run
 from typer.testing import CliRunner
 
 from kveval.cli import app
-from kveval.report import report_command
+from kveval.commands.report import report_command
 from kveval.report.plots import save
-from kveval.report.synthetic import write_synthetic_run
 from kveval.tasks.needle.reporting import plot_needle
 from kveval.tasks.sensitivity.reporting import plot_sensitivity
 

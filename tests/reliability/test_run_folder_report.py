@@ -3,7 +3,7 @@ env, records a folder or not text), hostile policy and run names (Markdown table
 an interrupted report, a read-only run folder, symbolic links among the report's files, a report that fails at
 the end of a run; and the crash-safe primitives underneath (kveval.fileio).
 
-No model: the folders are written by hand (kveval.report.synthetic), except one tiny run at the end.
+No model: the folders are written by hand (tests/synthetic_runs.py), except one tiny run at the end.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from synthetic_runs import write_synthetic_run
 from typer.testing import CliRunner
 
 from kveval.cli import app
+from kveval.commands.report import report_command
 from kveval.errors import KvevalError
 from kveval.fileio import append_line, atomic_write_json, end_with_newline, read_jsonl, scan_jsonl
-from kveval.report import report_command
-from kveval.report.synthetic import write_synthetic_run
-from kveval.report.tables import csv_safe_cell, md_cell
+from kveval.report.document import md_cell
+from kveval.report.tables import csv_safe_cell
 from kveval.results import LOCK_FILE
 from kveval.results.lock import FolderLock
 

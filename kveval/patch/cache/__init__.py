@@ -29,8 +29,8 @@ real tokens. Padding positions are never quantized and never billed: ``nbytes()`
 every row starts at position 0. Exactness per row needs what the model itself guarantees: the same logits for a
 row alone and in a padded batch (float rounding aside).
 
-Two read paths (``read=``; ``READ_PATHS`` gives the layer class of each), the same numbers (tested bit for bit in
-float64):
+Two read paths (``read=``; ``READ_PATHS`` gives the class of each, a strategy object every quantized layer of the
+cache holds), the same numbers (tested bit for bit in float64):
 
 * ``"lean"`` (the default): between calls a layer holds what its bill says and nothing else: the packed codes and
   scales, and the full-precision sink and residual tokens (``nbytes()`` equals the bytes of the tensors it holds,
@@ -52,14 +52,17 @@ computed once per call and shared by all layers.
 
 The modules: ``storage`` (``StoredChunk``, ``StoredPiece``, ``TensorStore``: what a layer stores per tensor kind),
 ``schedule`` (``RowPositions``: which positions each row holds quantized), ``buffers`` (buffer growth, the RoPE
-table), ``holdings`` and ``layer`` (``QuantizedKVLayer``, the layer base: schedule, flush, eviction, byte
-accounting, refusals), ``read_paths`` (``LeanQuantizedLayer``, ``BufferedQuantizedLayer``), ``hybrid`` (a layer
-that also holds a linear-attention / Mamba state, on either read path), ``quantized_cache`` (``QuantizedKVCache``,
-``READ_PATHS``, ``decode_logits``) and ``measure`` (``resident_nbytes``, ``watch_peak``, ``state_nbytes``).
+table), ``layer`` (``QuantizedKVLayer``, the one layer class: schedule, flush, eviction, byte accounting, refusals;
+``ReadPath``, the interface of the read path it holds), ``read_paths`` (``LeanReadPath``, ``BufferedReadPath``),
+``hybrid`` (``QuantizedHybridLayer``: a layer that also holds a linear-attention / Mamba state), ``holdings``
+(``LayerHoldings``, a read-only view of what a layer holds, for tests and tools), ``quantized_cache``
+(``QuantizedKVCache``, ``READ_PATHS``, ``decode_logits``) and ``measure`` (``resident_nbytes``, ``watch_peak``,
+``state_nbytes``).
 """
 
-from kveval.patch.cache.hybrid import BufferedHybridLayer, LeanHybridLayer, QuantizedHybridLayer
-from kveval.patch.cache.layer import LayerSetup, QuantizedKVLayer
+from kveval.patch.cache.holdings import LayerHoldings
+from kveval.patch.cache.hybrid import QuantizedHybridLayer
+from kveval.patch.cache.layer import LayerSetup, QuantizedKVLayer, ReadPath
 from kveval.patch.cache.measure import resident_nbytes, state_nbytes, watch_peak
 from kveval.patch.cache.quantized_cache import (
     READ_PATHS,
@@ -68,11 +71,11 @@ from kveval.patch.cache.quantized_cache import (
     decode_logits,
     left_padding_of,
 )
-from kveval.patch.cache.read_paths import BufferedQuantizedLayer, LeanQuantizedLayer
+from kveval.patch.cache.read_paths import BufferedReadPath, LeanReadPath
 from kveval.patch.cache.storage import StoredChunk
 
 __all__ = [
-    "READ_PATHS", "BufferedHybridLayer", "BufferedQuantizedLayer", "LayerSetup", "LeanHybridLayer",
-    "LeanQuantizedLayer", "QuantizedHybridLayer", "QuantizedKVCache", "QuantizedKVLayer", "StoredChunk",
-    "cache_kwargs", "decode_logits", "left_padding_of", "resident_nbytes", "state_nbytes", "watch_peak",
+    "READ_PATHS", "BufferedReadPath", "LayerHoldings", "LayerSetup", "LeanReadPath", "QuantizedHybridLayer",
+    "QuantizedKVCache", "QuantizedKVLayer", "ReadPath", "StoredChunk", "cache_kwargs", "decode_logits",
+    "left_padding_of", "resident_nbytes", "state_nbytes", "watch_peak",
 ]

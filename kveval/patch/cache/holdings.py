@@ -1,22 +1,23 @@
-"""What a layer of the real cache holds, read without changing it (``LayerHoldings``): per tensor kind
-everything held as attention reads it, the quantized storage piece by piece (``StoredRun``), where each row's
-quantized tokens end, the RoPE table, and the bytes held (``nbytes``, the memory bill of the layer)."""
+"""What a layer of the real cache holds, read without changing it (``LayerHoldings(layer)``, a view): per tensor
+kind everything held as attention reads it, the quantized storage piece by piece (``StoredRun``), where each row's
+quantized tokens end, and the RoPE table. For tests, parity checks and tools; the layer itself answers only what
+transformers and the cache ask of it (``get_seq_length``, ``nbytes``...)."""
 
 from __future__ import annotations
 
 import torch
 
-from kveval.patch.cache.buffers import RopeTable
-from kveval.patch.cache.schedule import RowPositions
-from kveval.patch.cache.storage import StoredPiece, TensorStore
+from kveval.patch.cache.layer import QuantizedKVLayer
+from kveval.patch.cache.read_paths import assembled
+from kveval.patch.cache.storage import StoredPiece
 
 
 class StoredRun:
-    """What ``LayerHoldings.chunks_k`` / ``chunks_v`` list: one piece of quantized storage with ``read()``, the
-    values attention reads at its positions (``[rows, kv_heads, tokens, head_dim]``), and ``read_storage()``, a
-    fresh unpack and dequantization of its packed codes, cut to the same tokens."""
+    """What ``LayerHoldings.chunks`` lists: one piece of quantized storage with ``read()``, the values attention
+    reads at its positions (``[rows, kv_heads, tokens, head_dim]``), and ``read_storage()``, a fresh unpack and
+    dequantization of its packed codes, cut to the same tokens."""
 
-    def __init__(self, layer: LayerHoldings, kind: str, piece: StoredPiece):
+    def __init__(self, layer: QuantizedKVLayer, kind: str, piece: StoredPiece):
         self.layer, self.kind, self.piece = layer, kind, piece
 
     def _first(self) -> int:
@@ -34,67 +35,37 @@ class StoredRun:
 
 
 class LayerHoldings:
-    """The read-only side of ``QuantizedKVLayer`` (its base): what tests, parity checks, tools and the memory bill
-    read of a layer. Positions are stored positions (``RowPositions``)."""
+    """A read-only view of one ``QuantizedKVLayer`` (the module docstring). Positions are stored positions
+    (``RowPositions``)."""
 
-    stores: dict[str, TensorStore]
-    rope: RopeTable
-    pads: list[int]
-    prompt: int | None
-    n_stored: int
-    evicted: int
-    base: int
-    is_initialized: bool
-
-    def positions(self) -> RowPositions:
-        """Where the rows stand now (``RowPositions``)."""
-        return RowPositions(tuple(self.pads), self.prompt or 1, self.n_stored, self.evicted)
+    def __init__(self, layer: QuantizedKVLayer):
+        self.layer = layer
 
     def held(self, kind: str) -> torch.Tensor:
         """Everything held of ``kind`` (``"key"``/``"value"``) as attention reads it: positions ``[evicted, n)``,
-        ``[batch, kv_heads, n - evicted, head_dim]`` (a view of the read buffer)."""
-        store = self.stores[kind]
-        assert store.view is not None
-        store.apply_pending(self.base)
-        return store.view[:, :, self.evicted - self.base:self.n_stored - self.base]
+        ``[batch, kv_heads, n - evicted, head_dim]``: a view of the read buffer, or, on the lean read path between
+        calls, assembled from the codes and the full-precision tokens."""
+        layer = self.layer
+        store = layer.stores[kind]
+        if store.view is None:
+            return assembled(layer, store, layer.n_stored)[0]
+        store.apply_pending(layer.base)
+        return store.view[:, :, layer.evicted - layer.base:layer.n_stored - layer.base]
 
-    @property
-    def chunks_k(self) -> list[StoredRun]:
-        """The quantized key storage, piece by piece (``read()`` / ``read_storage()`` / ``nbytes()``)."""
-        return [StoredRun(self, "key", p) for p in self.stores["key"].pieces]
-
-    @property
-    def chunks_v(self) -> list[StoredRun]:
-        return [StoredRun(self, "value", p) for p in self.stores["value"].pieces]
+    def chunks(self, kind: str) -> list[StoredRun]:
+        """The quantized ``kind`` storage, piece by piece (``read()`` / ``read_storage()`` / ``nbytes()``)."""
+        return [StoredRun(self.layer, kind, p) for p in self.layer.stores[kind].pieces]
 
     def quantized_end(self, kind: str, row: int = 0) -> int:
         """Stored position where row ``row``'s quantized ``kind`` tokens end (``sink_tokens`` before any)."""
-        sched = self.stores[kind].sched
-        return self.positions().quantized_end(sched, row) if self.pads else sched.sink_tokens
+        layer = self.layer
+        sched = layer.stores[kind].sched
+        return layer.positions().quantized_end(sched, row) if layer.pads else sched.sink_tokens
 
     @property
-    def q_end_k(self) -> int:
-        return self.quantized_end("key")
-
-    @property
-    def q_end_v(self) -> int:
-        return self.quantized_end("value")
-
-    @property
-    def rope_buf(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(cos, sin) ``[batch, positions, head_dim]`` of the held positions (pre-RoPE keys), else None."""
-        return self.rope.cos_sin
+        return self.layer.rope.cos_sin
 
-    def nbytes(self) -> dict:
-        """Bytes held: ``codes`` (packed), ``scales`` (scales and zero points, outliers), ``residual``
-        (full-precision tokens: sinks, residual windows, and tensors whose spec is ``none``), summed over the rows'
-        real tokens (padding positions are not held)."""
-        out = {"codes": 0, "scales": 0, "residual": 0}
-        if not self.is_initialized:
-            return {**out, "total": 0}
-        positions = self.positions()
-        for store in self.stores.values():
-            for part, n in store.nbytes(positions).items():
-                out[part] += n
-        out["total"] = out["codes"] + out["scales"] + out["residual"]
-        return out
+
+__all__ = ["LayerHoldings", "StoredRun"]

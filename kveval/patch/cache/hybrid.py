@@ -1,7 +1,6 @@
 """Layers that hold both a quantized K/V cache and a full-precision linear-attention / Mamba state (Falcon-H1's
 parallel attention + Mamba layers): ``QuantizedHybridLayer`` joins transformers' ``LinearAttentionLayer`` (the
-state part) to ``QuantizedKVLayer`` (the attention part); ``LeanHybridLayer`` and ``BufferedHybridLayer`` are it
-on each read path (``kveval.patch.cache.read_paths``)."""
+state part) to ``QuantizedKVLayer`` (the attention part, on the read path of its setup)."""
 
 from __future__ import annotations
 
@@ -10,14 +9,12 @@ from collections.abc import Sequence
 from transformers.cache_utils import LinearAttentionLayer
 
 from kveval.patch.cache.layer import LayerSetup, QuantizedKVLayer
-from kveval.patch.cache.read_paths import BufferedQuantizedLayer, LeanQuantizedLayer
 
 
 class QuantizedHybridLayer(LinearAttentionLayer, QuantizedKVLayer):
     """transformers' ``LinearAttentionAndFullAttentionLayer`` with ``QuantizedKVLayer`` as its attention part. The
     conv and recurrent states are kept exactly as transformers keeps them (``LinearAttentionLayer``: the live
-    tensors, updated in place by the model). A read path completes it (``LeanHybridLayer``,
-    ``BufferedHybridLayer``); it adds no member a read path defines."""
+    tensors, updated in place by the model)."""
 
     is_compileable = False
 
@@ -45,11 +42,3 @@ class QuantizedHybridLayer(LinearAttentionLayer, QuantizedKVLayer):
     def reset(self) -> None:
         LinearAttentionLayer.reset(self)
         QuantizedKVLayer.reset(self)
-
-
-class LeanHybridLayer(QuantizedHybridLayer, LeanQuantizedLayer):
-    """``QuantizedHybridLayer`` on the lean read path."""
-
-
-class BufferedHybridLayer(QuantizedHybridLayer, BufferedQuantizedLayer):
-    """``QuantizedHybridLayer`` on the buffered read path."""

@@ -1,16 +1,16 @@
-"""The layer base of the real cache (``QuantizedKVLayer``): what both read paths share.
+"""The layer of the real cache (``QuantizedKVLayer``) and the interface of its read path (``ReadPath``).
 
 One attention layer's K/V, ``[batch, kv_heads, seq, head_dim]``: the schedule (which positions each row quantizes
 at a call, ``kveval.patch.cache.schedule``), the flush into quantized storage (``kveval.patch.cache.storage``),
 sliding-window eviction, the byte accounting (``nbytes``), the attention hook of transforms that act on the query
 or the output, and the refusals of what transformers would otherwise do to its own placeholders. How attention
-reads the history, a read buffer assembled at every call or one kept across calls, is a read path's: the
-subclasses of ``kveval.patch.cache.read_paths``.
+reads the history, a read buffer assembled at every call or one kept across calls, is the layer's read path, an
+object it holds (``LayerSetup.read_path``: one of ``kveval.patch.cache.read_paths``).
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -21,33 +21,66 @@ from transformers.cache_utils import DynamicLayer
 from kveval.errors import KvevalError
 from kveval.patch import attention as attn
 from kveval.patch.cache.buffers import RopeTable
-from kveval.patch.cache.holdings import LayerHoldings
-from kveval.patch.cache.schedule import row_pads
+from kveval.patch.cache.schedule import RowPositions, row_pads
 from kveval.patch.cache.storage import TensorStore
 from kveval.patch.quantizers import TensorQuantizer
 from kveval.patch.rope_capture import rope_for
 from kveval.policy import KVPolicy
 
 
+class ReadPath(ABC):
+    """How a layer holds the history that attention reads (the package docstring, "Two read paths"): what it keeps
+    of the read buffers between calls, and how its buffers grow. A strategy, not a state: what it keeps lives in
+    the layer's stores (``TensorStore.view``, ``tails``...), so one object serves every layer of a cache.
+    ``reserve``: positions a growing buffer allocates at the first call (e.g. prompt + new tokens; None: twice the
+    prompt)."""
+
+    #: whether eviction copies what it keeps of a cut piece into tensors of its size (a slice keeps the forgotten
+    #: bytes alive)
+    evict_copies: ClassVar[bool]
+
+    def __init__(self, reserve: int | None = None):
+        self.reserve = reserve
+
+    @abstractmethod
+    def open_call(self, layer: QuantizedKVLayer, n_after: int, key_states: torch.Tensor,
+                  value_states: torch.Tensor) -> None:
+        """At the start of a call: the layer's read buffers (``TensorStore.view``, ``raw``) hold positions
+        ``[evicted, n_after)``, the history as attention reads it, with room for the call's new tokens."""
+
+    @abstractmethod
+    def close_call(self, layer: QuantizedKVLayer) -> None:
+        """At the end of a call, after eviction: what the layer keeps of the read buffers until the next."""
+
+    @abstractmethod
+    def capacity_for(self, capacity: int, need: int) -> int:
+        """Positions a growing buffer (the RoPE table) now holding ``capacity`` allocates for ``need``."""
+
+    @abstractmethod
+    def keeps_read_back(self, defer: bool) -> bool:
+        """Whether a flush keeps the read-back values of what it quantizes (for the read buffer now, or, ``defer``,
+        at the next call); if not, they are read back from the codes when needed."""
+
+
 @dataclass(frozen=True, eq=False)
 class LayerSetup:
-    """What a layer is built from (and rebuilt from by ``reset``): its (key, value) quantizers and the policy;
-    ``window``: the positions a sliding-window layer keeps (None: every one); ``module``: the attention module,
-    whose rotary embedding transforms such as pre_rope need; ``implementation``: the stock attention implementation
-    that ``attend`` wraps (None: no query/output hooks to apply); ``reserve``: positions a growing buffer allocates
-    at the first call (e.g. prompt + new tokens); ``plans``: flush plans, shared by the layers of one cache."""
+    """What a layer is built from: its (key, value) quantizers, the policy and its read path; ``window``: the
+    positions a sliding-window layer keeps (None: every one); ``module``: the attention module, whose rotary
+    embedding transforms such as pre_rope need; ``implementation``: the stock attention implementation that
+    ``attend`` wraps (None: no query/output hooks to apply); ``plans``: flush plans, shared by the layers of one
+    cache."""
 
     key_q: TensorQuantizer
     value_q: TensorQuantizer
     policy: KVPolicy
+    read_path: ReadPath
     window: int | None = None
     module: torch.nn.Module | None = None
     implementation: str | None = None
-    reserve: int | None = None
     plans: dict = field(default_factory=dict)
 
 
-class QuantizedKVLayer(LayerHoldings, DynamicLayer):
+class QuantizedKVLayer(DynamicLayer):
     """One layer's quantized cache (the module docstring). Tensors are ``[batch, kv_heads, seq, head_dim]``.
 
     Keys and values each have their schedule (``KVPolicy.schedule``: KIVI quantizes keys in blocks and values in a
@@ -60,50 +93,33 @@ class QuantizedKVLayer(LayerHoldings, DynamicLayer):
     ``kveval.memory.token_split`` bills it: sinks, quantized storage and residual are cut at ``n - window``; a
     per-channel token block keeps its codes and scales until all of its tokens have left. What attention reads is
     exactly positions ``[evicted, n)``, which the model's sliding mask limits further. The read buffers hold the
-    positions from ``base`` on (``capacity`` of them during a call).
+    positions from ``base`` on (``capacity`` of them during a call); what is kept of them between calls is the
+    read path's (``read_path``). What it holds is read, without changing it, through
+    ``kveval.patch.cache.holdings.LayerHoldings``.
     """
-
-    #: whether eviction copies what it keeps of a cut piece into tensors of its size (a slice keeps the forgotten
-    #: bytes alive)
-    evict_copies: ClassVar[bool]
 
     def __init__(self, setup: LayerSetup, left_padding: Sequence[int] | None = None):
         super().__init__()
-        self.setup = setup
+        self.setup, self.read_path = setup, setup.read_path
         self.key_q, self.value_q, self.policy = setup.key_q, setup.value_q, setup.policy
         self.key_spec, self.value_spec = setup.key_q.spec, setup.value_q.spec
         self.window, self.is_sliding = setup.window, setup.window is not None
         self.module, self.implementation = setup.module, setup.implementation
         self.needs_rope = setup.key_q.needs_rope or setup.value_q.needs_rope
         self.left_padding = None if left_padding is None else [int(p) for p in left_padding]
+        self._empty()
+
+    def _empty(self) -> None:
+        """Nothing stored: the state of a new layer (``reset`` returns to it)."""
         self.evicted = 0  # positions [0, evicted) are forgotten (sliding-window layers only)
         self.n_stored = 0
         self.prompt: int | None = None  # positions stored by the first call
         self.pads: list[int] = []
         self.base = 0  # stored position of slot 0 of the read buffers
         self.capacity = 0
-        self.stores = {kind: TensorStore(kind, q, setup.policy, self.rows_index)
-                       for kind, q in (("key", setup.key_q), ("value", setup.value_q))}
+        self.stores = {kind: TensorStore(kind, q, self.policy, self.rows_index)
+                       for kind, q in (("key", self.key_q), ("value", self.value_q))}
         self.rope = RopeTable()  # only filled when a transform needs_rope: pre-RoPE keys are read back through it
-
-    # --- the read path's part ------------------------------------------------------------------------------------
-    @abstractmethod
-    def _open_call(self, n_after: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """At the start of a call: the read buffers (``TensorStore.view``, ``raw``) hold positions ``[evicted,
-        n_after)``, the history as attention reads it, with room for the call's new tokens."""
-
-    @abstractmethod
-    def _close_call(self) -> None:
-        """At the end of a call, after eviction: what the read path keeps of the read buffers until the next."""
-
-    @abstractmethod
-    def _capacity_for(self, capacity: int, need: int) -> int:
-        """Positions a growing buffer (the RoPE table) now holding ``capacity`` allocates for ``need``."""
-
-    @abstractmethod
-    def _keeps_read_back(self, defer: bool) -> bool:
-        """Whether a flush keeps the read-back values of what it quantizes (for the read buffer now, or, ``defer``,
-        at the next call); if not, they are read back from the codes when needed."""
 
     # --- rows ----------------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -123,7 +139,11 @@ class QuantizedKVLayer(LayerHoldings, DynamicLayer):
             return slice(None)
         return torch.tensor(rows, device=self.device)
 
-    def _rope_live(self) -> int:
+    def positions(self) -> RowPositions:
+        """Where the rows stand now (``RowPositions``)."""
+        return RowPositions(tuple(self.pads), self.prompt or 1, self.n_stored, self.evicted)
+
+    def rope_live(self) -> int:
         """The first position whose (cos, sin) may be read again: the window's first, or the first of a token
         block still stored (per-channel statistics keep a block while any of its tokens is in the window)."""
         firsts = [p.start for store in self.stores.values() for p in store.pieces if store.q.needs_rope]
@@ -162,8 +182,8 @@ class QuantizedKVLayer(LayerHoldings, DynamicLayer):
         prefill_fp = self.policy.prefill == "fp" and n_new > 1
         new_rope = rope_for(self.module, key_states.shape[-1], self.key_q, self.value_q) if self.needs_rope else None
         if new_rope is not None:
-            self.rope.write(n0, n1, new_rope, self._rope_live(), len(self.pads), self._capacity_for)
-        self._open_call(n1, key_states, value_states)
+            self.rope.write(n0, n1, new_rope, self.rope_live(), len(self.pads), self.read_path.capacity_for)
+        self.read_path.open_call(self, n1, key_states, value_states)
         base, ev = self.base, self.evicted
 
         # store the new positions in full precision (as attention reads them; x itself in ``raw`` if that differs)
@@ -186,7 +206,7 @@ class QuantizedKVLayer(LayerHoldings, DynamicLayer):
                 read = self._single_token_rows(store, read, n0, n1)
             out.append(read)
         self._evict()
-        self._close_call()  # ``out`` keeps what the read path drops alive until attention has read it
+        self.read_path.close_call(self)  # ``out`` keeps what the read path drops alive until attention has read it
         return out[0], out[1]
 
     def _single_token_rows(self, store: TensorStore, read: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
@@ -215,7 +235,7 @@ class QuantizedKVLayer(LayerHoldings, DynamicLayer):
             if len(plans) > 256:
                 plans.clear()
             plan = plans[(store.sched, n0, positions)] = positions.flush_plan(store.sched, n0)
-        store.flush(plan, self.base, self.rope, self._keeps_read_back(defer), defer)
+        store.flush(plan, self.base, self.rope, self.read_path.keeps_read_back(defer), defer)
 
     def _evict(self) -> None:
         """Forget the positions older than the window's (sliding-window layers; see the class docstring)."""
@@ -226,11 +246,25 @@ class QuantizedKVLayer(LayerHoldings, DynamicLayer):
             return
         self.evicted = lo
         for store in self.stores.values():
-            store.evict(lo, copy=self.evict_copies)
+            store.evict(lo, copy=self.read_path.evict_copies)
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
     def get_seq_length(self) -> int:
         return self.n_stored
+
+    def nbytes(self) -> dict:
+        """Bytes held: ``codes`` (packed), ``scales`` (scales and zero points, outliers), ``residual``
+        (full-precision tokens: sinks, residual windows, and tensors whose spec is ``none``), summed over the rows'
+        real tokens (padding positions are not held)."""
+        out = {"codes": 0, "scales": 0, "residual": 0}
+        if not self.is_initialized:
+            return {**out, "total": 0}
+        positions = self.positions()
+        for store in self.stores.values():
+            for part, n in store.nbytes(positions).items():
+                out[part] += n
+        out["total"] = out["codes"] + out["scales"] + out["residual"]
+        return out
 
     # transformers' DynamicLayer would edit its own (empty) ``keys``/``values`` here and leave the stores as they
     # were: a beam search or an assisted decoding would then go on silently from the wrong history
@@ -261,5 +295,8 @@ class QuantizedKVLayer(LayerHoldings, DynamicLayer):
         return -1 if self.window is None else self.window
 
     def reset(self) -> None:
-        """Empty the layer: as built from its ``setup``, with the left padding it knows now."""
-        QuantizedKVLayer.__init__(self, self.setup, self.left_padding)
+        """Empty the layer: nothing stored, as when it was built (its setup and the left padding it knows now
+        kept)."""
+        self.keys = self.values = None
+        self.is_initialized = False
+        self._empty()

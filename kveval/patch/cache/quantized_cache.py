@@ -1,6 +1,6 @@
 """The real quantized KV cache object (``QuantizedKVCache``, a transformers ``Cache``): one quantized layer per
-attention layer of the model, on the read path it is asked for (``READ_PATHS``), transformers' own layers for the
-states; how a model call receives it (``cache_kwargs``), the left padding of a batch (``left_padding_of``), and
+attention layer of the model, holding the read path it is asked for (``READ_PATHS``), transformers' own layers for
+the states; how a model call receives it (``cache_kwargs``), the left padding of a batch (``left_padding_of``), and
 the logits of decoding through it token by token (``decode_logits``)."""
 
 from __future__ import annotations
@@ -23,19 +23,16 @@ from transformers.cache_utils import (
 
 from kveval.errors import KvevalError
 from kveval.patch import attention as attn
-from kveval.patch.cache.hybrid import BufferedHybridLayer, LeanHybridLayer, QuantizedHybridLayer
-from kveval.patch.cache.layer import LayerSetup, QuantizedKVLayer
+from kveval.patch.cache.hybrid import QuantizedHybridLayer
+from kveval.patch.cache.layer import LayerSetup, QuantizedKVLayer, ReadPath
 from kveval.patch.cache.measure import state_nbytes
-from kveval.patch.cache.read_paths import BufferedQuantizedLayer, LeanQuantizedLayer
+from kveval.patch.cache.read_paths import BufferedReadPath, LeanReadPath
 from kveval.patch.layers import model_quantizers
 from kveval.policy import KVPolicy
 
-#: the read paths (the package docstring, "Two read paths"): the layer class of each, for an attention layer and
-#: for a layer that also holds a linear-attention / Mamba state
-READ_PATHS: dict[str, tuple[type[QuantizedKVLayer], type[QuantizedHybridLayer]]] = {
-    "lean": (LeanQuantizedLayer, LeanHybridLayer),
-    "buffered": (BufferedQuantizedLayer, BufferedHybridLayer),
-}
+#: the read paths (the package docstring, "Two read paths"): the class of each, whose one object every quantized
+#: layer of a cache holds (an attention layer and a layer that also holds a linear-attention / Mamba state alike)
+READ_PATHS: dict[str, type[ReadPath]] = {"lean": LeanReadPath, "buffered": BufferedReadPath}
 
 #: transformers' cache layers kveval replaces (attention) or keeps as they are (states, nothing); any other layer
 #: class (an indexer cache, compressed attention, ...) is a design kveval does not model
@@ -73,9 +70,9 @@ class QuantizedKVCache(Cache):
     """A transformers ``Cache`` whose layers store K/V quantized under ``policy``.
 
     One layer per model layer, built from transformers' own (``DynamicCache(config=...)``): its attention layers
-    become ``QuantizedKVLayer``s of the read path's class (full-attention layers keep every token; sliding-window
+    become ``QuantizedKVLayer``s holding the read path (full-attention layers keep every token; sliding-window
     and chunked-attention layers keep the newest ``window`` tokens), a layer holding both K/V and a state
-    (Falcon-H1) a ``QuantizedHybridLayer`` of it; linear-attention / Mamba layers keep transformers'
+    (Falcon-H1) a ``QuantizedHybridLayer``; linear-attention / Mamba layers keep transformers'
     ``LinearAttentionLayer`` (their state in full precision) and MLP-only layers its ``DummyLayer``. So
     ``nbytes()`` equals the memory bill (``kveval.memory.kv_bytes`` of ``Arch.from_model``) after every call, for a
     batch the sum of its rows' bills, and ``nbytes()["state"]`` the bill's ``state``. An MLA model's layers hold
@@ -101,7 +98,7 @@ class QuantizedKVCache(Cache):
                  max_length: int | None = None, read: str = "lean"):
         if read not in READ_PATHS:
             raise KvevalError(f"read must be one of {', '.join(READ_PATHS)}; got {read!r}")
-        layer_class, hybrid_class = READ_PATHS[read]
+        read_path = READ_PATHS[read](reserve=max_length)  # one strategy object, shared by the layers
         mq = model_quantizers(model, policy, real_cache=True)
         arch = mq.arch
         hooked = any(q.hooks_attention for pair in mq.quantizers.values() for q in pair)
@@ -126,13 +123,13 @@ class QuantizedKVCache(Cache):
                 raise KvevalError(f"layer {i}: transformers caches it as {type(layer).__name__}, which kveval does "
                                   "not model for this layer; it cannot say what a quantized cache would hold")
             k_q, v_q = mq.quantizers[i]
-            setup = LayerSetup(k_q, v_q, policy, window=window, module=mq.modules[i],
+            setup = LayerSetup(k_q, v_q, policy, read_path, window=window, module=mq.modules[i],
                                implementation=base if k_q.hooks_attention or v_q.hooks_attention else None,
-                               reserve=max_length, plans=plans)
+                               plans=plans)
             if isinstance(layer, LinearAttentionCacheLayerMixin):
-                layers.append(hybrid_class(setup, left_padding, number_of_states=layer.number_of_states))
+                layers.append(QuantizedHybridLayer(setup, left_padding, number_of_states=layer.number_of_states))
             else:
-                layers.append(layer_class(setup, left_padding))
+                layers.append(QuantizedKVLayer(setup, left_padding))
         super().__init__(layers=layers)
         self.policy, self.read = policy, read
         self.left_padding = None if left_padding is None else list(left_padding)

@@ -28,6 +28,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 
+from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
 from kveval.tasks.generation.metrics import (
     accuracy_mde,
@@ -126,6 +127,7 @@ def aggregate(records: list[dict], prompts, policies: list[str], params: Params,
     recs: dict[str, dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))  # who -> unit -> prompt
     for r in records:
         if r.get("task") == NAME:
+            check_record(r)
             recs[r["policy"]][r["unit"]][r["prompt"]] = r
     ids = [p.id for p in prompts]
     scored = [p.id for p in prompts if p.answer is not None]
@@ -160,18 +162,31 @@ def aggregate(records: list[dict], prompts, policies: list[str], params: Params,
         departed = [(f, p, b, g) for (p, b, g), (f, _) in zip(pairs, firsts) if f is not None]
         m["gen_examples"] = _examples(departed, params.examples, decode)
         out["policies"][name] = m
-    return _finite(out)
+    _refuse_non_finite(out, "")
+    return out
 
 
-def _finite(doc):
-    """NaN or infinity (never expected) as None, so that metrics.json stays valid JSON."""
-    if isinstance(doc, dict):
-        return {k: _finite(v) for k, v in doc.items()}
-    if isinstance(doc, list):
-        return [_finite(v) for v in doc]
-    if isinstance(doc, float) and not math.isfinite(doc):
-        return None
-    return doc
+def check_record(r: dict) -> None:
+    """One :class:`KvevalError` line naming the record and the field when a generation record's per-step KLD holds
+    NaN or infinity (a record read back on resume that was edited, or written by a broken writer; fresh records
+    always pass: their logits were checked as they were scored)."""
+    values = r.get("kld")
+    for step, v in enumerate(values if isinstance(values, list) else ()):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise KvevalError(f"records.jsonl: generation record '{r.get('key')}': kld is {v!r} at step {step}, not "
+                              "a finite number; delete that line to generate it again, or rerun with --overwrite")
 
 
-__all__ = ["aggregate", "first_difference"]
+def _refuse_non_finite(doc, where: str) -> None:
+    """One :class:`KvevalError` line naming the field (``policies.int8.gen_kld_mean``) where the metrics hold NaN
+    or infinity, so that none reaches metrics.json (never expected once the records are checked)."""
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, v in items:
+        name = f"{where}[{key}]" if isinstance(doc, list) else f"{where}.{key}" if where else str(key)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise KvevalError(f"generation metrics: {name} is {v!r}, not a finite number (from finite records: "
+                              "please report it)")
+        _refuse_non_finite(v, name)
+
+
+__all__ = ["aggregate", "check_record", "first_difference"]

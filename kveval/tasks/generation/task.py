@@ -3,16 +3,16 @@
 Once the cache is quantized, every later step attends to lossy keys and values, and the error is not spent once but
 accumulates while the cache grows; text handed to the model (perplexity) does not show it. This task continues
 every prompt with the full-precision (FP) model (transformers' ``DynamicCache``) and with each policy through
-kveval's real quantized cache, one model run in lockstep with two caches (:mod:`kveval.tasks.generation.decode`),
-so that at every decode step both next-token distributions on the same prefix are known:
+kveval's real quantized cache, one cache per decoding run (:mod:`kveval.tasks.common.lockstep` with
+``measure_kld=False``); the distributions of both models along a path come from one teacher-forced pass
+(:mod:`kveval.tasks.common.teacher`), which the emulation contract makes those the real cache gave while decoding:
 
-* ``greedy``, per policy: the policy chooses the tokens, the FP model follows them: the policy's output, its KLD
-  from the FP model along its own trajectory, and (against the baseline's greedy output) the first step where it
+* ``greedy``, per policy: the policy's own greedy output, its KLD from the FP model along that trajectory, and (against the baseline's greedy output) the first step where it
   departs from the FP model's text;
 * ``fp_path``, per policy: the KLD along the FP model's own greedy output (the baseline's), so that the report can
   tell the cache's share of the drift from the changed path's: one teacher-forced pass per prompt under the
   emulation, whose logits are those of the policy's cache following the FP model token by token (the emulation
-  contract; :mod:`kveval.tasks.generation.teacher`);
+  contract; :mod:`kveval.tasks.common.teacher`);
 * ``s<j>`` (``samples: k``): k seeded samples per prompt with an answer, for the baseline and each policy with the
   same seeds (common random numbers), for pass@1 averaged over the samples and the unbiased pass@k.
 
@@ -29,12 +29,13 @@ the metrics come from the records alone (:mod:`kveval.tasks.generation.aggregate
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
+from kveval.tasks.common.lockstep import Trajectory
+from kveval.tasks.common.runner import Unit, Work, run_units
 from kveval.tasks.generation.aggregate import aggregate
-from kveval.tasks.generation.decode import Trajectory
 from kveval.tasks.generation.params import NAME, Params
 from kveval.tasks.generation.prompts import Prompt, builtin_prompts, load_jsonl
 
@@ -118,46 +119,59 @@ def _stop_test(tokenizer, stops: list[str]) -> Callable[[list[int]], bool] | Non
     return stopped
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
 def run(ctx, params: Params) -> dict:
     """Generate every unit that is not recorded yet, then aggregate every record.
 
     The tokens come from decoding through one cache a step (the FP model's ``DynamicCache`` for the baseline, the
-    policy's real ``QuantizedKVCache`` for a policy): the baseline's greedy output first (the FP path), then per
-    policy its greedy output with its KLD along its own path, then every policy's KLD along the FP path, both from
-    teacher-forced passes (:mod:`kveval.tasks.generation.teacher`: the emulation contract makes them the
-    distributions the real cache gave while decoding; the FP pass over the FP path is shared by the policies),
-    then the samples of every (prompt with an answer, sample) of the baseline and each policy, batched
-    together."""
+    policy's real ``QuantizedKVCache`` for a policy; :func:`kveval.tasks.common.lockstep.lockstep_generate` with
+    ``measure_kld=False``): the baseline's greedy output first (the FP path), then per policy its greedy output
+    with its KLD along its own path, then every policy's KLD along the FP path, both from teacher-forced passes
+    (:mod:`kveval.tasks.common.teacher`: the emulation contract makes them the distributions the real cache gave
+    while decoding; the FP pass over the FP path is shared by the policies of a prompt), then the samples of every
+    (prompt with an answer, sample) of the baseline and each policy, batched together. One unit per record
+    (:func:`kveval.tasks.common.runner.run_units`); greedy outputs and samples are decoded ``batch_size`` rows at
+    a time, sorted by prompt length (the least left padding)."""
     prompts = prompt_set(ctx, params)
     ids = {p.id: prompt_ids(ctx.tokenizer, p, params) for p in prompts}
-    done = ctx.run.done_keys()
     scored = [p for p in prompts if p.answer is not None]  # the samples serve pass@k: prompts with an answer
     whos = (BASELINE, *ctx.policies)
-    greedy = [(who, [(p, GREEDY, None) for p in prompts]) for who in whos]
-    samples = [(who, [(p, f"s{j}", j) for j in range(params.samples or 0) for p in scored]) for who in whos]
-    greedy, samples = ([(who, [r for r in rows if _key(r, who) not in done]) for who, rows in steps]
-                       for steps in (greedy, samples))
-    fp_paths = {p.id: [n for n in ctx.policies if record_key(p.id, n, FP_PATH) not in done] for p in prompts}
-    todo = sum(len(rows) for _, rows in greedy + samples) + sum(len(names) for names in fp_paths.values())
-    with ctx.progress.task("generation", total=todo * params.max_new_tokens, unit="tok") as advance:
-        for who, rows in greedy:
-            _decode_rows(ctx, params, rows, ids, who, advance)
-        _score_fp_paths(ctx, params, [p for p in prompts if fp_paths[p.id]], fp_paths, ids, advance)
-        for who, rows in samples:
-            _decode_rows(ctx, params, rows, ids, who, advance)
+
+    def decoded(kind: str, who: str, rows: list[Row]) -> list[Unit]:
+        rows = sorted(rows, key=lambda r: len(ids[r[0].id]))
+        return [Unit(_key(r, who), (r, who), batch=(kind, who), group=kind, steps=params.max_new_tokens)
+                for r in rows]
+
+    units = [u for who in whos for u in decoded(GREEDY, who, [(p, GREEDY, None) for p in prompts])]
+    units += [Unit(record_key(p.id, n, FP_PATH), ((p, FP_PATH, None), n), batch=(FP_PATH, p.id), group=FP_PATH,
+                   steps=params.max_new_tokens) for p in prompts for n in ctx.policies]
+    units += [u for who in whos
+              for u in decoded("samples", who, [(p, f"s{j}", j) for j in range(params.samples or 0) for p in scored])]
+
+    def prepare(group: list[Unit]) -> dict | None:
+        """For the FP-path units: the baseline's greedy record of each of their prompts, every one checked first."""
+        if group[0].group != FP_PATH:
+            return None
+        return _fp_paths(ctx, list(dict.fromkeys(u.item[0][0] for u in group)))
+
+    def evaluate(batch: list[Unit], base: dict | None) -> Iterator[dict]:
+        kind, who = batch[0].batch
+        if kind == FP_PATH:
+            yield from _score_fp_path(ctx, params, [u.item for u in batch], ids, base)
+            return
+        rows = [u.item[0] for u in batch]
+        for (p, unit, _), t in zip(rows, _decode(ctx, params, rows, ids, who)):
+            if who != BASELINE and unit == GREEDY:
+                t.kld = _path_kld(ctx, ids[p.id], t.tokens, who, "")
+            yield _record(ctx.tokenizer, params, p, who, unit, t)
+
+    run_units(ctx, NAME, units, Work(label="generation", noun="outputs", evaluate=evaluate, prepare=prepare,
+                                     batch_size=lambda b: None if b[0] == FP_PATH else params.batch_size,
+                                     amount=lambda unit, record: len(record["tokens"])))
     return aggregate(ctx.run.records(), prompts, list(ctx.policies), params,
                      decode=lambda t: ctx.tokenizer.decode(t, skip_special_tokens=True))
 
 
-#: one unit of work: (prompt, unit: "greedy", "fp_path" or "s<j>", sample j or None)
+#: one row of a decoding batch: (prompt, unit: "greedy", "fp_path" or "s<j>", sample j or None)
 Row = tuple[Prompt, str, "int | None"]
 
 
@@ -165,50 +179,40 @@ def _key(row: Row, who: str) -> str:
     return record_key(row[0].id, who, row[1])
 
 
-def _decode_rows(ctx, params: Params, rows: list[Row], ids: dict[str, list[int]], who: str, advance) -> None:
-    """Decode ``rows`` (all greedy or all samples) in batches by prompt length (the least left padding) and record
-    each; a policy's greedy output gets its KLD along its own path (one teacher-forced pass)."""
-    rows = sorted(rows, key=lambda r: len(ids[r[0].id]))
-    for first in range(0, len(rows), params.batch_size):
-        batch = rows[first:first + params.batch_size]
-        for (p, unit, _), t in zip(batch, _decode(ctx, params, batch, ids, who)):
-            if who != BASELINE and unit == GREEDY:
-                t.kld = _path_kld(ctx, ids[p.id], t.tokens, who, "")
-            ctx.run.append(_record(ctx.tokenizer, params, p, who, unit, t))
-            advance(len(t.tokens), steps=params.max_new_tokens)  # the bar: units of work; the rate: tokens
-
-
-def _score_fp_paths(ctx, params: Params, prompts: list[Prompt], pending: dict[str, list[str]],
-                    ids: dict[str, list[int]], advance) -> None:
-    """The ``fp_path`` records: each pending policy's KLD along the baseline's greedy output of each prompt, from
-    one FP pass per prompt shared by the policies and one emulated pass per policy (the baseline's records are
-    written first)."""
-    from kveval.tasks.generation.teacher import path_kld
-
+def _fp_paths(ctx, prompts: list[Prompt]) -> dict[str, dict]:
+    """The baseline's greedy record of each prompt (the FP path its policies are scored along), each checked to
+    hold valid token ids before any is scored (they are the baseline's records, written first)."""
     base = {r["prompt"]: r for r in ctx.run.records()
             if r.get("task") == NAME and r.get("policy") == BASELINE and r.get("unit") == GREEDY}
     vocab = ctx.model.get_output_embeddings().weight.shape[0]
-    for p in prompts:  # all checked before any is scored
-        tokens = base[p.id].get("tokens")
+    for p in prompts:
+        tokens = base.get(p.id, {}).get("tokens")
         if not (isinstance(tokens, list) and tokens and all(type(t) is int and 0 <= t < vocab for t in tokens)):
             raise KvevalError(f"records.jsonl: the baseline's greedy record of prompt '{p.id}' holds no valid token "
                               f"ids (the FP path the policies are scored on); delete the line of key "
                               f"'{record_key(p.id, BASELINE, GREEDY)}' to generate it again")
-    for p in prompts:
-        tokens = base[p.id]["tokens"]
-        klds = path_kld(ctx.model, ids[p.id], tokens, {n: ctx.policies[n] for n in pending[p.id]},
-                        where=f"generation {FP_PATH}")
-        for name, kld in klds.items():
-            fp = Trajectory(tokens=list(tokens), kld=kld, ended=base[p.id]["ended"])
-            ctx.run.append(_record(ctx.tokenizer, params, p, name, FP_PATH, fp))
-            advance(len(tokens), steps=params.max_new_tokens)
+    return base
+
+
+def _score_fp_path(ctx, params: Params, items: list, ids: dict[str, list[int]], base: dict) -> Iterator[dict]:
+    """The ``fp_path`` records of one prompt: each pending policy's KLD along the baseline's greedy output, from one
+    FP pass shared by the policies and one emulated pass per policy."""
+    from kveval.tasks.common.teacher import path_kld
+
+    p = items[0][0][0]
+    tokens = base[p.id]["tokens"]
+    klds = path_kld(ctx.model, ids[p.id], tokens, {n: ctx.policies[n] for _, n in items},
+                    where=f"generation {FP_PATH}")
+    for name, kld in klds.items():
+        fp = Trajectory(tokens=list(tokens), kld=kld, ended=base[p.id]["ended"])
+        yield _record(ctx.tokenizer, params, p, name, FP_PATH, fp)
 
 
 def _decode(ctx, params: Params, batch: list[Row], ids: dict[str, list[int]], who: str):
     """One batch through one cache (the FP model's for the baseline, the policy's real quantized cache for a
     policy): greedy rows, or seeded samples (each row's own seed: the same for the baseline and every policy)."""
-    from kveval.tasks._generation import pad_token_id
-    from kveval.tasks.generation.decode import Sampling, lockstep_generate
+    from kveval.tasks.common.decoding import eos_token_ids, pad_token_id
+    from kveval.tasks.common.lockstep import Sampling, lockstep_generate
 
     model, tokenizer = ctx.model, ctx.tokenizer
     samples = [j for _, _, j in batch]
@@ -220,13 +224,13 @@ def _decode(ctx, params: Params, batch: list[Row], ids: dict[str, list[int]], wh
     return lockstep_generate(
         model, [ids[p.id] for p, _, _ in batch], None if who == BASELINE else ctx.policies[who],
         driver="fp" if who == BASELINE else "policy", max_new_tokens=params.max_new_tokens,
-        eos_ids=_eos_ids(model, tokenizer), pad_id=pad_token_id(model, tokenizer), sampling=sampling,
+        eos_ids=eos_token_ids(model, tokenizer), pad_id=pad_token_id(model, tokenizer), sampling=sampling,
         stop=_stop_test(tokenizer, params.stop), where=f"generation of {who}", measure_kld=False)
 
 
 def _path_kld(ctx, prompt_ids: list[int], tokens: list[int], who: str, unit: str) -> list[float]:
     """The KLD of policy ``who`` at every step of ``tokens`` after the prompt, in one teacher-forced pass."""
-    from kveval.tasks.generation.teacher import path_kld
+    from kveval.tasks.common.teacher import path_kld
 
     where = f"generation {unit + ' ' if unit else ''}of {who}"
     return path_kld(ctx.model, prompt_ids, tokens, {who: ctx.policies[who]}, where=where)[who]

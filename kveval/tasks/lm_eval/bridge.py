@@ -33,7 +33,7 @@ Under a ``none`` policy (``fp16``) the results equal plain ``HFLM`` on the same 
 
 NaN or infinity in the logits of a request (log-likelihood, or a generated token) stops the evaluation with one
 :class:`KvevalError` line naming whose fault it is (the model's when no layer is quantized, else the policy's):
-:mod:`kveval.tasks._finite`, the check every kveval task shares. lm-eval would otherwise score NaN silently.
+:mod:`kveval.tasks.common.finite`, the check every kveval task shares. lm-eval would otherwise score NaN silently.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from lm_eval.models.huggingface import HFLM
 from kveval.errors import KvevalError
 from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
 from kveval.policy import KVPolicy
-from kveval.tasks._finite import check_finite_logits, finite_generation, finite_quantizer_inputs
+from kveval.tasks.common.finite import check_finite_logits, finite_generation, finite_quantizer_inputs
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class KVEvalLM(HFLM):
         return None if self.layers_quantized_expected == 0 else f"policy '{self.policy.name}'"
 
     def _check_finite(self, logits: torch.Tensor, where: str) -> torch.Tensor:
-        """``logits``, after :func:`kveval.tasks._finite.check_finite_logits` (one KvevalError line on NaN or
+        """``logits``, after :func:`kveval.tasks.common.finite.check_finite_logits` (one KvevalError line on NaN or
         infinity, naming the model or the policy)."""
         check_finite_logits(logits, where=where, dtype=self._model.dtype, quantized_by=self._quantized_by())
         return logits

@@ -40,7 +40,8 @@ from contextlib import contextmanager
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
 from kveval.stats import minimum_detectable_effect
-from kveval.tasks._finite import non_finite_numbers
+from kveval.tasks.common.finite import non_finite_numbers
+from kveval.tasks.common.runner import Unit, Work, run_units
 from kveval.tasks.lm_eval.include import (  # noqa: F401 (the include-path check, named here too)
     MAX_INCLUDE_FILES,
     SHIPPED_TASKS,
@@ -308,21 +309,18 @@ def check_finite_metrics(results: dict, task: str, who: str) -> None:
 def run(ctx, params: Params) -> dict:
     """Evaluate every (task, policy) not yet recorded, then aggregate all records into metrics."""
     tm = task_manager(check_include_path(params.include_path, allow_code=_allow_code(ctx)), params.tasks)
-    names = [BASELINE, *ctx.policies]
-    done = ctx.run.done_keys()
-    pairs = [(t, n) for t in params.tasks for n in names]
-    todo = [(t, n) for t, n in pairs if _record_key(t, n) not in done]
-    if len(todo) < len(pairs):
-        ctx.progress.log(f"lm_eval: resuming, {len(pairs) - len(todo)} of {len(pairs)} (task, policy) pairs already recorded")
-    with ctx.progress.task("lm_eval", total=len(todo), unit="task") as advance:
-        for task, name in todo:
-            policy = None if name == BASELINE else ctx.policies[name]
-            out = evaluate_one(ctx, params, tm, task, policy)
-            ctx.run.append({
-                "key": _record_key(task, name), "task": "lm_eval", "lm_eval_task": task, "policy": name,
-                "num_fewshot": params.num_fewshot, "limit": params.limit, "prefill": params.prefill, **out,
-            })
-            advance(1)
+    units = [Unit(_record_key(task, name), (task, name), amount=1)
+             for task in params.tasks for name in (BASELINE, *ctx.policies)]
+
+    def evaluate_batch(batch: list[Unit], _prepared):
+        for unit in batch:
+            task, name = unit.item
+            out = evaluate_one(ctx, params, tm, task, None if name == BASELINE else ctx.policies[name])
+            yield {"key": unit.key, "task": "lm_eval", "lm_eval_task": task, "policy": name,
+                   "num_fewshot": params.num_fewshot, "limit": params.limit, "prefill": params.prefill, **out}
+
+    run_units(ctx, NAME, units, Work(label="lm_eval", noun="(task, policy) pairs", evaluate=evaluate_batch,
+                                     rate_unit="task"))
     return aggregate(ctx.run.records(), list(ctx.policies), params)
 
 

@@ -30,8 +30,8 @@ import re
 from dataclasses import dataclass
 
 from kveval.errors import KvevalError
-from kveval.tasks._prompts import MARKER, PASSKEY_FILLER, SentenceTokens, chat_parts, split_sentences
-from kveval.tasks._prompts import encode as _encode
+from kveval.tasks.common.prompts import MARKER, PASSKEY_FILLER, SentenceTokens, chat_parts, split_sentences
+from kveval.tasks.common.prompts import encode as _encode
 
 CITIES = (
     "Amsterdam", "Athens", "Bangkok", "Barcelona", "Berlin", "Bogota", "Boston", "Brussels", "Budapest", "Cairo",
@@ -122,7 +122,7 @@ def make_spec(variant: str, rng: random.Random) -> NeedleSpec:
 
 def template_parts(tokenizer, spec: NeedleSpec, *, chat_template: bool = True) -> tuple[list[int], list[int]]:
     """The ids before and after the haystack: ``(prefix_ids, suffix_ids)``; ``suffix_ids`` ends with the answer
-    prefix, so that the answer follows directly (:func:`kveval.tasks._prompts.chat_parts`)."""
+    prefix, so that the answer follows directly (:func:`kveval.tasks.common.prompts.chat_parts`)."""
     user = f"{spec.instruction}\n\n{MARKER}\n\n{spec.question}"
     return chat_parts(tokenizer, user, spec.answer_prefix, chat_template=chat_template)
 
@@ -194,6 +194,6 @@ def exact_match(generated: str, answer: str) -> bool:
     return bool(norm) and f" {norm} " in f" {_normalise(generated)} "
 
 
-# PASSKEY_FILLER, SentenceTokens, split_sentences: kveval.tasks._prompts (shared with the ruler task), named here too
+# PASSKEY_FILLER, SentenceTokens, split_sentences: kveval.tasks.common.prompts (shared with the ruler task), named here too
 __all__ = ["CITIES", "MARKER", "PASSKEY_FILLER", "VARIANTS", "NeedlePrompt", "NeedleSpec", "SentenceTokens",
            "build_prompt", "exact_match", "make_spec", "split_sentences", "template_parts", "trial_rng"]

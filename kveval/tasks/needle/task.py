@@ -20,17 +20,16 @@ and the policy does not). The task draws nothing: with ``plots: true`` (the defa
 
 NaN or infinity in a trial's logits (teacher-forced, or of a generated token) stops the run with one line that
 says whose fault it is (the model's, or the policy's quantizer or emulation) before that trial's record is
-written (:mod:`kveval.tasks._finite`): no score is ever NaN.
+written (:mod:`kveval.tasks.common.finite`): no score is ever NaN.
 """
 
 from __future__ import annotations
 
-import time
-
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
-from kveval.stats import minimum_detectable_effect, paired_standard_error
-from kveval.tasks._generation import generate_answers, score_answer
+from kveval.stats import mean_of_present, minimum_detectable_effect, paired_standard_error
+from kveval.tasks.common.decoding import answer_scores
+from kveval.tasks.common.runner import Unit, Work, run_units
 from kveval.tasks.needle.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
 from kveval.tasks.needle.prompts import (
     PASSKEY_FILLER,
@@ -110,7 +109,7 @@ def check(ctx, params: Params) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The two scores (score_answer, teacher-forced, and generate_answers, greedy: kveval.tasks._generation)
+# The two scores (score_answer, teacher-forced, and generate_answers, greedy: kveval.tasks.common.decoding)
 # ---------------------------------------------------------------------------------------------------------------
 def trial_words(context: int, depth: float, trial: int) -> str:
     """A trial in words, for messages: ``needle trial 0 (context 64, depth 0.5)``."""
@@ -119,30 +118,15 @@ def trial_words(context: int, depth: float, trial: int) -> str:
 
 def evaluate(model, tokenizer, trials: list, params: Params, policy=None, *, where: list[str]) -> list[dict]:
     """Both scores of ``trials`` (``(spec, prompt)`` pairs) under one policy (None: the unpatched model), with
-    their timings: the teacher-forced score one trial at a time, the greedy generation ``params.batch_size``
-    trials per left-padded batch (:func:`kveval.tasks._generation.generate_answers`; each row as if alone, up to
-    a batch's float rounding; ``seconds_generate`` is a batch's time divided by its rows). ``where``: each trial
-    in words, for the one line that NaN or infinity in the logits stops the run with."""
-    recs = []
-    for (_, prompt), w in zip(trials, where):
-        t0 = time.perf_counter()
-        rec = score_answer(model, prompt.input_ids, prompt.answer_ids, policy, where=w)
-        rec["seconds_score"] = time.perf_counter() - t0
-        recs.append(rec)
-    if not params.generate:
-        return recs
-    size = params.batch_size
-    for first in range(0, len(trials), size):
-        batch = trials[first:first + size]
-        t0 = time.perf_counter()
-        texts = generate_answers(model, tokenizer, [p.input_ids for _, p in batch], params.max_new_tokens, policy,
-                                 where=where[first] if len(batch) == 1 else f"{where[first]} and its batch",
-                                 batch_size=size)
-        seconds = (time.perf_counter() - t0) / len(batch)
-        for rec, (spec, _), text in zip(recs[first:first + size], batch, texts):
-            rec["seconds_generate"] = seconds
-            rec["generated"] = text
-            rec["exact_match"] = int(exact_match(text, spec.answer))
+    their timings (:func:`kveval.tasks.common.decoding.answer_scores`: teacher-forced one trial at a time, greedy
+    ``params.batch_size`` trials per left-padded batch) and, when generated, ``exact_match``: the answer anywhere
+    in the output. ``where``: each trial in words, for the one line that NaN or infinity in the logits stops the
+    run with."""
+    recs = answer_scores(model, tokenizer, [(p.input_ids, p.answer_ids) for _, p in trials], params.max_new_tokens,
+                         policy, where=where, batch_size=params.batch_size, generate=params.generate)
+    if params.generate:
+        for rec, (spec, _) in zip(recs, trials):
+            rec["exact_match"] = int(exact_match(rec["generated"], spec.answer))
     return recs
 
 
@@ -151,50 +135,41 @@ def evaluate(model, tokenizer, trials: list, params: Params, policy=None, *, whe
 # ---------------------------------------------------------------------------------------------------------------
 def run(ctx, params: Params) -> dict:
     """Evaluate every (cell, trial, policy) not yet recorded and aggregate all needle records (the report draws
-    the heatmaps from the result). The trials of one context length are generated together, ``batch_size`` per
-    batch (their prompts have the same length); their records are written when their batch is done."""
+    the heatmaps from the result). Per context length, the prompts are built once; then per policy its pending
+    trials are scored ``batch_size`` at a time (their prompts have the same length), each record written when its
+    batch is done (:func:`kveval.tasks.common.runner.run_units`)."""
     names = [BASELINE, *ctx.policies]
-    trials = [(c, d, t) for c in params.context_lengths for d in params.depths for t in range(params.trials)]
-    done = ctx.run.done_keys()
-    todo = [x for x in trials if any(record_key(params.variant, *x, n) not in done for n in names)]
-    if len(todo) < len(trials):
-        ctx.progress.log(f"needle: resuming, {len(trials) - len(todo)} of {len(trials)} trials already recorded")
+    units = [Unit(record_key(params.variant, c, d, t, name), (c, d, t), batch=(c, name), group=c, amount=c,
+                  tally=(c, d, t))
+             for c in params.context_lengths for name in names for d in params.depths for t in range(params.trials)]
     sentences = haystack(ctx, params)
     model, tok = ctx.model, ctx.tokenizer
-    by_context: dict[int, list[tuple[float, int]]] = {}
-    for context, depth, trial in todo:
-        by_context.setdefault(context, []).append((depth, trial))
-    with ctx.progress.task(f"needle ({params.variant})", total=len(todo) * len(names), unit="tok") as advance:
-        for context, cells in by_context.items():
-            made = {c: trial_prompt(tok, params, sentences, seed=ctx.cfg.seed, context=context, depth=c[0],
-                                    trial=c[1]) for c in cells}
-            for name in names:
-                pending = [c for c in cells if record_key(params.variant, context, *c, name) not in done]
-                for _ in range(len(cells) - len(pending)):
-                    advance(0)
-                policy = None if name == BASELINE else ctx.policies[name]
-                for first in range(0, len(pending), params.batch_size):
-                    chunk = pending[first:first + params.batch_size]
-                    scored = evaluate(model, tok, [made[c] for c in chunk], params, policy,
-                                      where=[trial_words(context, *c) for c in chunk])
-                    for (depth, trial), result in zip(chunk, scored):
-                        spec, prompt = made[(depth, trial)]
-                        rec = {
-                            "key": record_key(params.variant, context, depth, trial, name), "task": NAME,
-                            "variant": params.variant, "context": context, "depth": depth, "trial": trial,
-                            "policy": name, "answer": spec.answer, "prompt_tokens": len(prompt.input_ids),
-                            "needle_start": prompt.needle_start,
-                            "needle_depth_tokens": prompt.needle_start - prompt.haystack_start,
-                        }
-                        rec.update(result)
-                        ctx.run.append(rec)
-                        advance(context)
+
+    def prepare(group: list[Unit]) -> dict:
+        cells = dict.fromkeys(u.item for u in group)
+        return {x: trial_prompt(tok, params, sentences, seed=ctx.cfg.seed, context=x[0], depth=x[1], trial=x[2])
+                for x in cells}
+
+    def evaluate_batch(batch: list[Unit], made: dict):
+        name = batch[0].batch[1]
+        policy = None if name == BASELINE else ctx.policies[name]
+        scored = evaluate(model, tok, [made[u.item] for u in batch], params, policy,
+                          where=[trial_words(*u.item) for u in batch])
+        for u, result in zip(batch, scored):
+            context, depth, trial = u.item
+            spec, prompt = made[u.item]
+            rec = {
+                "key": u.key, "task": NAME, "variant": params.variant, "context": context, "depth": depth,
+                "trial": trial, "policy": name, "answer": spec.answer, "prompt_tokens": len(prompt.input_ids),
+                "needle_start": prompt.needle_start,
+                "needle_depth_tokens": prompt.needle_start - prompt.haystack_start,
+            }
+            rec.update(result)
+            yield rec
+
+    run_units(ctx, NAME, units, Work(label=f"needle ({params.variant})", noun="trials", evaluate=evaluate_batch,
+                                     prepare=prepare, batch_size=params.batch_size))
     return aggregate(ctx.run.records(), list(ctx.policies))
-
-
-def _mean(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
 
 
 def _summarise(records: list[dict]) -> dict:
@@ -205,14 +180,14 @@ def _summarise(records: list[dict]) -> dict:
     for (variant, context, depth), recs in sorted(cells.items()):
         rows.append({
             "variant": variant, "context": context, "depth": depth, "trials": len(recs),
-            "accuracy": _mean([r.get("exact_match") for r in recs]),
-            "logprob": _mean([r["answer_logprob"] for r in recs]),
-            "token_acc": _mean([r["answer_token_acc"] for r in recs]),
+            "accuracy": mean_of_present([r.get("exact_match") for r in recs]),
+            "logprob": mean_of_present([r["answer_logprob"] for r in recs]),
+            "token_acc": mean_of_present([r["answer_token_acc"] for r in recs]),
         })
     return {
-        "needle_accuracy": _mean([r.get("exact_match") for r in records]),
-        "needle_answer_logprob": _mean([r["answer_logprob"] for r in records]),
-        "needle_token_acc": _mean([r["answer_token_acc"] for r in records]),
+        "needle_accuracy": mean_of_present([r.get("exact_match") for r in records]),
+        "needle_answer_logprob": mean_of_present([r["answer_logprob"] for r in records]),
+        "needle_token_acc": mean_of_present([r["answer_token_acc"] for r in records]),
         "needle_trials": len(records),
         "needle_cells": rows,
     }

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from kveval.results.layout import BASELINE
+from kveval.schema import is_finite_number
 from kveval.stats import (
     add_llama_sums,
     bootstrap_ratio_ci,
@@ -83,11 +84,6 @@ def _layer_summary(records: list[dict]) -> list[dict]:
 KLD_ROUNDING = 1e-6
 
 
-def _finite_number(v) -> bool:
-    """An int or float (not a bool) that is finite."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def check_window_record(r: dict) -> None:
     """ValueError naming what is wrong with a window record's numbers (a record read back on resume that was
     edited, or written by a broken writer): ``n_tokens`` a positive count, ``nll_sum`` / ``kld_sum`` / ``agree_sum``
@@ -99,7 +95,7 @@ def check_window_record(r: dict) -> None:
         raise ValueError(f"{where}: n_tokens is {n!r}")
     for key in ("nll_sum", "kld_sum", "agree_sum"):
         v = r.get(key)
-        if v is not None and not _finite_number(v):
+        if v is not None and not is_finite_number(v):
             raise ValueError(f"{where}: {key} is {v!r}, not a finite number")
     for key, lo, hi in (("kld_values", -KLD_ROUNDING, math.inf), ("p_diff_values", -1.0, 1.0)):
         if key not in r:
@@ -108,7 +104,7 @@ def check_window_record(r: dict) -> None:
         if not isinstance(values, list) or len(values) != n:
             got = f"{len(values)} values" if isinstance(values, list) else type(values).__name__
             raise ValueError(f"{where}: {key} holds {got} for {n} tokens")
-        bad = next((v for v in values if not (_finite_number(v) and lo <= v <= hi)), None)
+        bad = next((v for v in values if not (is_finite_number(v) and lo <= v <= hi)), None)
         if bad is not None:
             raise ValueError(f"{where}: {key} holds {bad!r}, not a {'KLD' if key == 'kld_values' else 'Δp'}")
     sums = r.get("llama_sums")
@@ -116,7 +112,7 @@ def check_window_record(r: dict) -> None:
         if not isinstance(sums, dict) or sums.get("count") != n:
             raise ValueError(f"{where}: llama_sums counts {sums.get('count') if isinstance(sums, dict) else sums!r} "
                              f"tokens, the record {n}")
-        if not all(_finite_number(v) for v in sums.values()):
+        if not all(is_finite_number(v) for v in sums.values()):
             raise ValueError(f"{where}: llama_sums holds a value that is not a finite number")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, model_serializer, model_validator
+from pydantic import Field, model_validator
 
 from kveval.schema import Strict, Tokens
 
@@ -15,7 +15,7 @@ class Params(Strict):
     """Perplexity, KL divergence and top-1 agreement against the full-precision model."""
 
     #: left out of the resolved config at these values (added later: older run folders resume; kveval.tasks)
-    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {"start_token": 0}
+    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {"start_token": 0, "batch_size": 1}
     #: every window is scored under every weight variant x KV policy (the one task that measures model.weights)
     MEASURES_WEIGHT_VARIANTS: ClassVar[bool] = True
 
@@ -29,15 +29,6 @@ class Params(Strict):
     diagnostics: bool = True
     noise_windows: int = Field(0, ge=0)
     batch_size: int = Field(1, gt=0)
-
-    @model_serializer(mode="wrap")
-    def _omit_default_batch(self, handler):
-        """``batch_size`` is left out of the dumped form at its default, so that the resolved config of a run
-        folder written before the field existed still matches (its runs resume)."""
-        data = handler(self)
-        if isinstance(data, dict) and data.get("batch_size") == 1:
-            del data["batch_size"]
-        return data
 
     @model_validator(mode="after")
     def _default_bins_fit(self):

@@ -9,7 +9,7 @@ record, every comparison against the FP baseline's logits (the logits compared `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,7 @@ from kveval.stats import (
     llama_sums,
     llama_token_values,
 )
-from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
+from kveval.tasks.common.finite import check_finite_logits, finite_quantizer_inputs
 from kveval.tasks.perplexity.params import Params
 
 
@@ -190,13 +190,11 @@ class _Scored:
 @dataclass
 class Scoring:
     """What every batch of a run shares: the task's context and parameters, the names scored (``baseline`` first,
-    then the policies), the keys already recorded, the progress callback and the CUDA memory bookkeeping."""
+    then the policies) and the CUDA memory bookkeeping."""
 
     ctx: Any
     params: Params
     names: list[str]
-    done: Collection[str]
-    advance: Callable[[int], Any]
     memory: DeviceMemory
 
 
@@ -245,18 +243,18 @@ def _who(weights: Weights | None, policy: str | None) -> str | None:
     return variant if policy is None else f"{variant} with policy '{policy}'"
 
 
-def score_batch(scoring: Scoring, batch: Batch, weights: Weights | None = None) -> None:
+def score_batch(scoring: Scoring, batch: Batch, pending: Collection[str],
+                weights: Weights | None = None) -> Iterator[dict]:
     """Score the windows of ``batch``: the reference pass (without ``weights``: the FP baseline, once over the whole
     batch, which sets ``batch.base``; with them: the variant with the full-precision cache, over the windows that
     miss one of its records), then each policy over the windows that miss its record (a resumed batch recomputes
     only those rows; a policy every window has recorded does not run), every one against the FP baseline's logits.
-    Records not yet in ``scoring.done`` are appended; a variant's weights are swapped in once for the batch."""
-    ctx, done, advance = scoring.ctx, scoring.done, scoring.advance
+    Yields the record of each key in ``pending`` as soon as it is computed (the unit runner appends it); a
+    variant's weights are swapped in once for the batch."""
+    ctx = scoring.ctx
     keys = [{n: weights.key(w.index, n) if weights else _record_key(w.index, n) for n in scoring.names}
             for w in batch.windows]
-    rows = [i for i in range(len(batch.windows)) if weights is None or any(k not in done for k in keys[i].values())]
-    for _ in range(len(batch.windows) - len(rows)):
-        advance(0)
+    rows = [i for i in range(len(batch.windows)) if weights is None or any(k in pending for k in keys[i].values())]
     if not rows:
         return
     with weights.variant.applied(ctx.model) if weights else nullcontext(), torch.no_grad():
@@ -265,16 +263,12 @@ def score_batch(scoring: Scoring, batch: Batch, weights: Weights | None = None) 
             batch.set_base(ref)
         scoring.memory.free()
         for name in scoring.names:
-            need = [(r, i) for r, i in enumerate(rows) if keys[i][name] not in done]
-            for _ in range(len(rows) - len(need)):
-                advance(0)
+            need = [(r, i) for r, i in enumerate(rows) if keys[i][name] in pending]
             if not need:
                 continue
             if name == BASELINE:
                 for r, i in need:
-                    rec = _record(scoring, batch, i, name, ref[r], weights=weights)
-                    ctx.run.append(_with_peak(rec, ref_peak))
-                    advance(batch.ids.shape[1])
+                    yield _with_peak(_record(scoring, batch, i, name, ref[r], weights=weights), ref_peak)
                 continue
             logits, peak, emu = _forward(scoring, batch, [i for _, i in need], weights, name)
             for j, (r, i) in enumerate(need):
@@ -282,8 +276,7 @@ def score_batch(scoring: Scoring, batch: Batch, weights: Weights | None = None) 
                 if weights is None and scoring.params.diagnostics:
                     rec["layers_quantized"] = emu.layers_quantized
                     rec["layer_errors"] = emu.diagnostics(row=j)
-                ctx.run.append(rec)
-                advance(batch.ids.shape[1])
+                yield rec
             del logits, emu
             scoring.memory.free()
 

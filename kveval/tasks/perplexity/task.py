@@ -37,7 +37,7 @@ Off CUDA nothing is recorded and nothing is called.
 NaN or infinity in the logits stops the run with one line before that window's records are written (metrics are
 never NaN): in the baseline's logits it is the model's fault (overflowing weights or activations, e.g. float16),
 in a policy's logits (or in the keys/values its quantizer is given) the quantizer's or the emulation's. The noise
-floor's decoded logits are checked the same way (:mod:`kveval.tasks._finite`, the check every task shares).
+floor's decoded logits are checked the same way (:mod:`kveval.tasks.common.finite`, the check every task shares).
 
 The code: :mod:`~kveval.tasks.perplexity.scorer` (the forward passes, comparisons, records and CUDA memory),
 :mod:`~kveval.tasks.perplexity.noise` (the noise floor's decoding), :mod:`~kveval.tasks.perplexity.aggregate`
@@ -51,6 +51,7 @@ from collections.abc import Iterator
 from kveval.data import token_windows
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
+from kveval.tasks.common.runner import Unit, Work, run_units
 from kveval.tasks.perplexity.aggregate import aggregate, resolution_warnings, verdict  # noqa: F401 (verdict: tests)
 from kveval.tasks.perplexity.noise import score_noise_floor
 from kveval.tasks.perplexity.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
@@ -88,25 +89,38 @@ def check(ctx, params: Params) -> None:
 
 
 def run(ctx, params: Params) -> dict:
-    """Evaluate every (window, policy) not yet recorded, ``batch_size`` windows per forward pass, then aggregate
-    all records into metrics."""
+    """Evaluate every (window, policy) not yet recorded, ``batch_size`` windows per forward pass (on the
+    checkpoint's weights, then on each weight variant), then the noise floor, then aggregate all records into
+    metrics (:func:`kveval.tasks.common.runner.run_units`: one unit per record)."""
     tokens = ctx.tokens()[params.start_token:]
     windows = list(token_windows(tokens, params.seq_len, stride=params.stride, max_tokens=params.max_tokens))
     names = [BASELINE, *ctx.policies]
     variants = getattr(ctx, "weights", None) or {}
-    done = ctx.run.done_keys()
-
-    def window_keys(index: int) -> list[str]:
-        return [_record_key(index, n) for n in names] + [_weights_key(index, v, n) for v in variants for n in names]
-
-    todo = [w for w in windows if any(k not in done for k in window_keys(w.index))]
-    if len(todo) < len(windows):
-        ctx.progress.log(f"perplexity: resuming, {len(windows) - len(todo)} of {len(windows)} windows already recorded")
-
+    units = [Unit(key, w, amount=len(w.input_ids), tally=w.index)
+             for w in windows
+             for key in [_record_key(w.index, n) for n in names] +
+             [_weights_key(w.index, v, n) for v in variants for n in names]]
     memory = DeviceMemory(ctx.model)
-    total = len(todo) * len(names) * (1 + len(variants))
-    with ctx.progress.task("perplexity", total=total, unit="tok") as advance:
-        _score_windows(Scoring(ctx, params, names, done, advance, memory), todo, variants)
+    scoring = Scoring(ctx, params, names, memory)
+
+    def by_window(pending: list[Unit]) -> Iterator[list[Unit]]:
+        """The pending units of ``batch_size`` windows of one length at a time (:func:`_batches`)."""
+        mine: dict[int, list[Unit]] = {}
+        for u in pending:
+            mine.setdefault(u.item.index, []).append(u)
+        todo = list(dict.fromkeys(u.item for u in pending))
+        for group in _batches(todo, params.batch_size):
+            yield [u for w in group for u in mine[w.index]]
+
+    def evaluate(units: list[Unit], _prepared) -> Iterator[dict]:
+        group = list(dict.fromkeys(u.item for u in units))
+        pending = {u.key for u in units}
+        batch = Batch.of(group, ctx.model.device)
+        yield from score_batch(scoring, batch, pending)
+        for name, variant in variants.items():
+            yield from score_batch(scoring, batch, pending, Weights(name, variant))
+
+    run_units(ctx, NAME, units, Work(label="perplexity", noun="windows", evaluate=evaluate, batches=by_window))
     memory.free()  # the last batch's baseline logits
     score_noise_floor(ctx, params, windows[: params.noise_windows], names)
     return aggregate(ctx.run.records(), list(ctx.policies), params, seed=ctx.cfg.seed, threshold=ctx.cfg.threshold,
@@ -124,13 +138,3 @@ def _batches(windows: list, size: int) -> Iterator[list]:
         group.append(w)
     if group:
         yield group
-
-
-def _score_windows(scoring: Scoring, windows: list, variants: dict) -> None:
-    """Every window of ``windows`` in batches of ``batch_size``: on the checkpoint's weights, then on each weight
-    variant; the last batch's logits are dropped on return."""
-    for group in _batches(windows, scoring.params.batch_size):
-        batch = Batch.of(group, scoring.ctx.model.device)
-        score_batch(scoring, batch)
-        for name, variant in variants.items():
-            score_batch(scoring, batch, Weights(name, variant))

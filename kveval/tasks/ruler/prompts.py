@@ -23,7 +23,7 @@ Families (:data:`FAMILIES`):
   one replaced by dots; the answer is the three most frequent words.
 
 Layout (the model's chat template around the user turn when the tokenizer has one, as
-:func:`kveval.tasks._prompts.chat_parts` makes it)::
+:func:`kveval.tasks.common.prompts.chat_parts` makes it)::
 
     [template prefix] [worked example] instruction [context] question [end of user turn] answer prefix | answer
 
@@ -61,7 +61,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kveval.errors import KvevalError
-from kveval.tasks._prompts import MARKER, PASSKEY_FILLER, SentenceTokens, chat_parts
+from kveval.tasks.common.prompts import MARKER, PASSKEY_FILLER, SentenceTokens, chat_parts
 from kveval.tasks.ruler.words import ADJECTIVES, NOUNS, WORDS
 
 DEPTH_GRID = tuple(round(100 * i / 39) / 100 for i in range(40))

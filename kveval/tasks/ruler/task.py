@@ -30,26 +30,25 @@ when the family's score at some length is more than ``max_drop`` points below th
 metrics.
 
 NaN or infinity in a sample's logits (teacher-forced, or of a generated token) stops the run with one line that
-says whose fault it is before that sample's record is written (:mod:`kveval.tasks._finite`).
+says whose fault it is before that sample's record is written (:mod:`kveval.tasks.common.finite`).
 """
 
 from __future__ import annotations
-
-import math
-import time
 
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
 from kveval.stats import (
     binomial_sd_points,
     inconclusive,
+    mean_of_present,
     minimum_detectable_effect,
     paired_standard_error,
     samples_to_resolve,
     size_to_decide,
 )
-from kveval.tasks._generation import generate_answers, score_answer
-from kveval.tasks._prompts import SentenceTokens, split_sentences
+from kveval.tasks.common.decoding import answer_scores
+from kveval.tasks.common.prompts import SentenceTokens, split_sentences
+from kveval.tasks.common.runner import Unit, Work, run_units
 from kveval.tasks.ruler.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
 from kveval.tasks.ruler.prompts import FAMILIES, Pieces, Sample, build_sample, sample_rng
 from kveval.tasks.ruler.scoring import score
@@ -139,28 +138,15 @@ def check(ctx, params: Params) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 def evaluate(model, tokenizer, samples: list[Sample], max_new_tokens: int, policy=None, *, where: list[str],
              batch_size: int = 8) -> list[dict]:
-    """Both scores of ``samples`` under one policy (None: the unpatched model), with their timings: the
-    teacher-forced score one sample at a time, the greedy generation ``batch_size`` samples per left-padded batch
-    (:func:`kveval.tasks._generation.generate_answers`; each row as if alone, up to a batch's float rounding).
-    ``seconds_generate`` is a batch's time divided by its rows. ``where``: each sample in words, for the one line
-    that NaN or infinity in the logits stops the run with (a batch names its first sample)."""
-    recs = []
-    for sample, w in zip(samples, where):
-        t0 = time.perf_counter()
-        rec = score_answer(model, sample.input_ids, sample.answer_ids, policy, where=w)
-        rec["seconds_score"] = time.perf_counter() - t0
-        recs.append(rec)
-    for first in range(0, len(samples), batch_size):
-        batch = samples[first:first + batch_size]
-        t0 = time.perf_counter()
-        texts = generate_answers(model, tokenizer, [s.input_ids for s in batch], max_new_tokens, policy,
-                                 where=where[first] if len(batch) == 1 else f"{where[first]} and its batch",
-                                 batch_size=batch_size)
-        seconds = (time.perf_counter() - t0) / len(batch)
-        for rec, sample, text in zip(recs[first:first + batch_size], batch, texts):
-            rec["seconds_generate"] = seconds
-            rec["generated"] = text
-            rec["score"] = score(text, sample.answers, FAMILIES[sample.family].metric)
+    """Both scores of ``samples`` under one policy (None: the unpatched model), with their timings
+    (:func:`kveval.tasks.common.decoding.answer_scores`: teacher-forced one sample at a time, greedy ``batch_size``
+    samples per left-padded batch) and ``score``, the generated text against the sample's answers by its
+    family's metric. ``where``: each sample in words, for the one line that NaN or infinity in the logits stops
+    the run with (a batch names its first sample)."""
+    recs = answer_scores(model, tokenizer, [(s.input_ids, s.answer_ids) for s in samples], max_new_tokens, policy,
+                         where=where, batch_size=batch_size)
+    for rec, sample in zip(recs, samples):
+        rec["score"] = score(rec["generated"], sample.answers, FAMILIES[sample.family].metric)
     return recs
 
 
@@ -168,61 +154,47 @@ def evaluate(model, tokenizer, samples: list[Sample], max_new_tokens: int, polic
 # The run
 # ---------------------------------------------------------------------------------------------------------------
 def run(ctx, params: Params) -> dict:
-    """Evaluate every (family, length, sample, policy) not yet recorded and aggregate all ruler records. The
-    samples of one (family, length) cell are generated together, ``batch_size`` per batch (they have the same
-    length: no padding); their records are written when their batch is done."""
+    """Evaluate every (family, length, sample, policy) not yet recorded and aggregate all ruler records. Per
+    (family, length) cell the samples are built once; then per policy its pending samples are generated
+    ``batch_size`` at a time (they have the same length: no padding), each record written when its batch is done
+    (:func:`kveval.tasks.common.runner.run_units`)."""
     names = [BASELINE, *ctx.policies]
-    units = [(f, n, s) for f in params.families for n in params.lengths for s in range(params.samples)]
-    done = ctx.run.done_keys()
-    todo = [u for u in units if any(record_key(*u, name) not in done for name in names)]
-    if len(todo) < len(units):
-        ctx.progress.log(f"ruler: resuming, {len(units) - len(todo)} of {len(units)} samples already recorded")
+    units = [Unit(record_key(f, n, s, name), (f, n, s), batch=(f, n, name), group=(f, n), amount=n, tally=(f, n, s))
+             for f in params.families for n in params.lengths for name in names for s in range(params.samples)]
     pieces, essay = _pieces(ctx), _essay(ctx, params)
     seed = ctx.cfg.seed if params.seed is None else params.seed
-    cells: dict[tuple[str, int], list[int]] = {}
-    for family, length, s in todo:
-        cells.setdefault((family, length), []).append(s)
-    with ctx.progress.task("ruler", total=len(todo) * len(names), unit="tok") as advance:
-        for (family, length), indices in cells.items():
-            samples = {s: make_sample(pieces, params, essay, seed=seed, family=family, length=length, sample=s)
-                       for s in indices}
-            for name in names:
-                pending = [s for s in indices if record_key(family, length, s, name) not in done]
-                for _ in range(len(indices) - len(pending)):
-                    advance(0)
-                policy = None if name == BASELINE else ctx.policies[name]
-                for first in range(0, len(pending), params.batch_size):
-                    chunk = pending[first:first + params.batch_size]
-                    scored = evaluate(ctx.model, ctx.tokenizer, [samples[s] for s in chunk], params.budget(family),
-                                      policy, where=[sample_words(family, length, s) for s in chunk],
-                                      batch_size=params.batch_size)
-                    for s, result in zip(chunk, scored):
-                        sample = samples[s]
-                        rec = {
-                            "key": record_key(family, length, s, name), "task": NAME, "family": family,
-                            "length": length, "sample": s, "policy": name, "metric": FAMILIES[family].metric,
-                            "depth": sample.depth, "answer_depths": list(sample.answer_depths),
-                            "prompt_tokens": len(sample.input_ids), "max_new_tokens": params.budget(family),
-                            "answers": list(sample.answers), "reference": sample.reference,
-                        }
-                        rec.update(result)
-                        ctx.run.append(rec)
-                        advance(length)
+
+    def prepare(group: list[Unit]) -> dict:
+        return {(f, n, s): make_sample(pieces, params, essay, seed=seed, family=f, length=n, sample=s)
+                for f, n, s in dict.fromkeys(u.item for u in group)}
+
+    def evaluate_batch(batch: list[Unit], samples: dict):
+        family, length, name = batch[0].batch
+        policy = None if name == BASELINE else ctx.policies[name]
+        scored = evaluate(ctx.model, ctx.tokenizer, [samples[u.item] for u in batch], params.budget(family), policy,
+                          where=[sample_words(*u.item) for u in batch], batch_size=params.batch_size)
+        for u, result in zip(batch, scored):
+            sample = samples[u.item]
+            rec = {
+                "key": u.key, "task": NAME, "family": family, "length": length, "sample": u.item[2], "policy": name,
+                "metric": FAMILIES[family].metric, "depth": sample.depth, "answer_depths": list(sample.answer_depths),
+                "prompt_tokens": len(sample.input_ids), "max_new_tokens": params.budget(family),
+                "answers": list(sample.answers), "reference": sample.reference,
+            }
+            rec.update(result)
+            yield rec
+
+    run_units(ctx, NAME, units, Work(label="ruler", noun="samples", evaluate=evaluate_batch, prepare=prepare,
+                                     batch_size=params.batch_size))
     return aggregate(ctx.run.records(), list(ctx.policies), params)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Aggregation (pure)
 # ---------------------------------------------------------------------------------------------------------------
-def _mean(values: list) -> float | None:
-    """The mean of the values that are not None (``math.fsum``: the same whatever the records' order)."""
-    values = [v for v in values if v is not None]
-    return math.fsum(values) / len(values) if values else None
-
-
 def _points(records: list[dict]) -> float | None:
     """RULER's score of some samples: the mean sample score in percent."""
-    m = _mean([r.get("score") for r in records])
+    m = mean_of_present([r.get("score") for r in records])
     return None if m is None else 100.0 * m
 
 
@@ -244,17 +216,17 @@ def _summarise(records: list[dict], families: list[str]) -> dict:
         cells.setdefault((r["family"], r["length"]), []).append(r)
     rank = {f: i for i, f in enumerate(families)}
     rows = [{"family": f, "length": n, "samples": len(recs), "score": _points(recs),
-             "logprob": _mean([r["answer_logprob"] for r in recs]),
-             "token_acc": _mean([r["answer_token_acc"] for r in recs])}
+             "logprob": mean_of_present([r["answer_logprob"] for r in recs]),
+             "token_acc": mean_of_present([r["answer_token_acc"] for r in recs])}
             for (f, n), recs in sorted(cells.items(), key=lambda kv: (rank.get(kv[0][0], len(rank)), kv[0]))]
     fams = {}
     for f in dict.fromkeys(row["family"] for row in rows):
         recs = [r for r in records if r["family"] == f]
-        fams[f] = {"score": _points(recs), "logprob": _mean([r["answer_logprob"] for r in recs])}
+        fams[f] = {"score": _points(recs), "logprob": mean_of_present([r["answer_logprob"] for r in recs])}
     return {
         "ruler_score": _points(records),
-        "ruler_answer_logprob": _mean([r["answer_logprob"] for r in records]),
-        "ruler_token_acc": _mean([r["answer_token_acc"] for r in records]),
+        "ruler_answer_logprob": mean_of_present([r["answer_logprob"] for r in records]),
+        "ruler_token_acc": mean_of_present([r["answer_token_acc"] for r in records]),
         "ruler_samples": len(records),
         "ruler_cells": rows,
         "ruler_families": fams,

@@ -21,8 +21,9 @@ Budget syntax (``parse_budget``):
 
 Inputs are checked before any planning (one :class:`KvevalError` line each): ``check_scan`` for a scan's
 ``metrics.json`` (fields missing, of the wrong type, non-finite, layers outside the architecture: a hand-edited or
-foreign file). The ``.plan.json`` that ``kveval plan`` writes beside a planned config is read by
-:mod:`kveval.policy.plan_file` (``read_plan_file``, ``plan_predictions``: re-exported here), below the tasks.
+foreign file). The ``.plan.json`` that ``kveval plan`` writes beside a planned config is one schema,
+:class:`kveval.policy.plan_file.PlanFile`, below the tasks. What each serving engine can run (``plan --engine``) is
+:data:`kveval.engines.tables.ENGINES`.
 
 Pure: no transformers import.
 """
@@ -38,11 +39,13 @@ from pathlib import Path
 
 import numpy as np
 
+from kveval.engines.names import check_engine_names
+from kveval.engines.tables import ENGINES
 from kveval.errors import KvevalError
 from kveval.memory import Arch, fp16_bytes, kv_bytes, kv_elements
 from kveval.policy import KVPolicy, policy_names
-from kveval.policy.plan_file import is_finite_number, plan_predictions, read_plan_file  # noqa: F401 (re-exported)
 from kveval.quant import preset
+from kveval.schema import is_finite_number
 
 TENSORS = ("key", "value")
 MAX_DP_CELLS = 200_000_000
@@ -278,7 +281,7 @@ def candidate_costs(arch: Arch, specs: list[str], context: int) -> dict[tuple[in
 def plan(metrics: dict, budget: Budget | str, *, context: int | None = None, extra: tuple[str, ...] = ("int8",),
          allow_fp: bool = False, engine: str | None = None) -> Plan:
     """The optimal plan under ``budget`` for a scan's metrics (``metrics.json`` of a sensitivity run); with
-    ``engine`` (``kveval.tasks.sensitivity.engines.ENGINES``) the best plan that engine can run
+    ``engine`` (``kveval.engines.tables.ENGINES``) the best plan that engine can run
     (:func:`engine_plan`)."""
     budget = parse_budget(budget) if not isinstance(budget, Budget) else budget
     arch = check_scan(metrics)
@@ -331,12 +334,7 @@ def engine_plan(metrics: dict, budget: Budget, engine: str, *, context: int, all
     one V type for all layers (``none``, f16, among them with ``allow_fp``); SGLang, TensorRT-LLM, transformers:
     one type for K and V of every layer. KvevalError naming the engine when the scan holds none of its types or
     no plan of them fits."""
-    from kveval.errors import did_you_mean
-    from kveval.tasks.sensitivity.engines import ENGINES
-
-    if engine not in ENGINES:
-        raise KvevalError(f"--engine {engine}: unknown engine{did_you_mean(engine, ENGINES)} (one of "
-                          f"{', '.join(ENGINES)})")
+    check_engine_names([engine])
     eng = ENGINES[engine]
     arch = check_scan(metrics)
     table = scan_table(metrics)

@@ -13,13 +13,14 @@ The task draws nothing: with ``plots: true`` (the default) the report draws ``pl
 ``plots/sensitivity_ranked.png`` from these metrics (:mod:`kveval.report.task_figures`).
 
 NaN or infinity in a window's baseline logits (the model's fault) or in a cell's logits (the quantizer's or the
-emulation's) stops the scan with one line before that record is written (:mod:`kveval.tasks._finite`): no cell's
+emulation's) stops the scan with one line before that record is written (:mod:`kveval.tasks.common.finite`): no cell's
 KLD is ever NaN.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -27,7 +28,8 @@ from kveval.data import token_windows
 from kveval.errors import KvevalError
 from kveval.policy.selectors import layers_of
 from kveval.stats import top_index
-from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
+from kveval.tasks.common.finite import check_finite_logits, finite_quantizer_inputs
+from kveval.tasks.common.runner import Unit, Work, run_units
 from kveval.tasks.sensitivity.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
 
 
@@ -97,51 +99,65 @@ def compare(base: dict, logits: torch.Tensor, targets: torch.Tensor) -> dict:
 
 
 def run(ctx, params: Params) -> dict:
+    """Per window: the FP pass (kept, for the reuse mode, as the prefix every cell replays from) and its baseline
+    record, then one record per (layer, tensor, spec) cell not yet recorded
+    (:func:`kveval.tasks.common.runner.run_units`); then the ``sensitivity`` metrics from every record."""
     from kveval.tasks.sensitivity.scan import baseline_prefix, cell_policy, naive_logits, replay, verify_replay
 
     layers = scanned_layers(params.layers, ctx.info)
     cells = [(i, t, s) for s in params.specs for i in layers for t in params.tensors]
     windows = list(token_windows(ctx.tokens(), params.seq_len, max_tokens=params.max_tokens))
     token_end = max(w.end for w in windows)
-    done = ctx.run.done_keys()
-    todo = [(w, [c for c in cells if _key(w.index, c) not in done]) for w in windows]
-    todo = [(w, cs) for w, cs in todo if cs or _key(w.index) not in done]
-    skipped = sum(len(cells) - len(cs) for _, cs in todo) + (len(windows) - len(todo)) * len(cells)
-    if skipped:
-        ctx.progress.log(f"sensitivity: resuming, {skipped} of {len(windows) * len(cells)} cells already recorded")
+    units = [Unit(_key(w.index, cell), (w, cell), group=w.index, steps=0 if cell is None else 1,
+                  amount=0 if cell is None else 1, tally=None if cell is None else (w.index, cell))
+             for w in windows for cell in (None, *cells)]
     mode = "naive" if params.naive else "reuse"
-    model, verified = ctx.model, False
-    dtype = ctx.cfg.model.dtype
-    with ctx.progress.task(f"sensitivity ({mode})", total=sum(len(cs) for _, cs in todo), unit="cell") as advance:
-        for w, cs in todo:
-            ids = w.input_ids.to(model.device)[None]
-            where = f"scan window {w.index} (corpus tokens {w.start}-{w.end})"
-            prefix = baseline_prefix(model, ids, capture=not params.naive)
+    model, dtype = ctx.model, ctx.cfg.model.dtype
+    verified = []
+
+    def prepare(group: list[Unit]) -> dict:
+        """The window's FP pass, its logits checked finite, and the baseline's terms every cell is compared with."""
+        w = group[0].item[0]
+        ids = w.input_ids.to(model.device)[None]
+        prefix = baseline_prefix(model, ids, capture=not params.naive)
+        check_finite_logits(prefix.logits[0, w.logits_slice], where=_where(w), dtype=dtype)
+        if not params.naive and not verified:
+            verify_replay(model, prefix)
+            verified.append(True)
+        return {"ids": ids, "prefix": prefix, "base": baseline_terms(prefix.logits[0, w.logits_slice]),
+                "targets": ids[0, w.score_from:]}
+
+    def evaluate(batch: list[Unit], state: dict) -> Iterator[dict]:
+        for unit in batch:
+            w, cell = unit.item
             sl = w.logits_slice
-            targets = ids[0, w.score_from:]
-            check_finite_logits(prefix.logits[0, sl], where=where, dtype=dtype)
-            base = baseline_terms(prefix.logits[0, sl])
-            if not params.naive and not verified:
-                verify_replay(model, prefix)
-                verified = True
-            if _key(w.index) not in done:
-                fp = compare(base, prefix.logits[0, sl], targets)
-                ctx.run.append({"key": _key(w.index), "task": NAME, "window": w.index, "n_tokens": w.n_scored,
-                                "nll_sum": fp["nll_sum"]})
-            for layer, tensor, spec in cs:
-                policy = cell_policy(layer, tensor, spec)
-                cell = f"scan cell layer {layer} {tensor}s under {spec}"
-                with finite_quantizer_inputs(where, cell):
-                    logits = naive_logits(model, ids, policy) if params.naive else replay(model, prefix, layer, policy)
-                check_finite_logits(logits[0, sl], where=where, dtype=dtype, quantized_by=cell)
-                rec = {"key": _key(w.index, (layer, tensor, spec)), "task": NAME, "window": w.index,
-                       "layer": layer, "tensor": tensor, "spec": spec, "n_tokens": w.n_scored, "mode": mode}
-                rec.update(compare(base, logits[0, sl], targets))
-                ctx.run.append(rec)
-                advance(1)
+            if cell is None:
+                fp = compare(state["base"], state["prefix"].logits[0, sl], state["targets"])
+                yield {"key": unit.key, "task": NAME, "window": w.index, "n_tokens": w.n_scored,
+                       "nll_sum": fp["nll_sum"]}
+                continue
+            layer, tensor, spec = cell
+            policy = cell_policy(layer, tensor, spec)
+            named = f"scan cell layer {layer} {tensor}s under {spec}"
+            with finite_quantizer_inputs(_where(w), named):
+                logits = naive_logits(model, state["ids"], policy) if params.naive else \
+                    replay(model, state["prefix"], layer, policy)
+            check_finite_logits(logits[0, sl], where=_where(w), dtype=dtype, quantized_by=named)
+            rec = {"key": unit.key, "task": NAME, "window": w.index, "layer": layer, "tensor": tensor, "spec": spec,
+                   "n_tokens": w.n_scored, "mode": mode}
+            rec.update(compare(state["base"], logits[0, sl], state["targets"]))
+            yield rec
+
+    run_units(ctx, NAME, units, Work(label=f"sensitivity ({mode})", noun="cells", evaluate=evaluate, prepare=prepare,
+                                     rate_unit="cell"))
     out = aggregate(ctx.run.records(), params)
     out["sensitivity"]["token_end"] = token_end  # the scan read corpus tokens [0, token_end)
     return out
+
+
+def _where(w) -> str:
+    """A window in words, for the non-finite line."""
+    return f"scan window {w.index} (corpus tokens {w.start}-{w.end})"
 
 
 def aggregate(records: list[dict], params: Params) -> dict:

@@ -1,6 +1,6 @@
 """The serving engines kveval writes commands for, by name, and the check of a user's ``--engine``: light (no
 torch), so that a command refuses an unknown engine before it imports anything heavy. The engines themselves (their
-cache types, flags and syntax) are :data:`kveval.tasks.sensitivity.engines.ENGINES`, keyed by these names."""
+cache types, flags and syntax) are :data:`kveval.engines.tables.ENGINES`, keyed by these names."""
 
 from __future__ import annotations
 

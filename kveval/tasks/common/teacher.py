@@ -1,5 +1,6 @@
-"""The KLD along a given trajectory in one teacher-forced pass: the FP model's own greedy output, scored under each
-policy by kveval's emulation.
+"""Teacher-forced scoring: given tokens scored in one pass. :func:`score_answer`, a reference answer's
+log-probabilities after its prompt; :func:`path_kld`, the KLD along a given trajectory (the FP model's own greedy
+output) under each policy, by kveval's emulation.
 
 The emulation contract (:func:`kveval.patch.emulate`, tested for the generation loop in
 ``tests/test_generation_decode.py``) says that one pass over a whole sequence under ``emulate(prefill_len=len(
@@ -13,12 +14,13 @@ transformers and ``kveval.patch`` are imported inside the function, so importing
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
 import torch
 
-from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
-from kveval.tasks._generation import quantized_by
+from kveval.tasks.common.finite import check_finite_logits, finite_quantizer_inputs, quantized_by
 
 #: decode steps whose log-softmaxes are formed at once (bounds the float64 temporaries of a long generation)
 CHUNK = 1024
@@ -67,4 +69,39 @@ def path_kld(model, prompt: Sequence[int], tokens: Sequence[int], policies: Mapp
     return out
 
 
-__all__ = ["CHUNK", "log_probs", "path_kld"]
+def accepts(model, name: str) -> bool:
+    """Whether ``model.forward`` takes a parameter ``name`` (``logits_to_keep``)."""
+    return name in inspect.signature(model.forward).parameters
+
+
+def score_answer(model, prompt_ids: list[int], answer_ids: list[int], policy=None, *,
+                 where: str = "a prompt") -> dict:
+    """Teacher-forced: log-probs of ``answer_ids`` after ``prompt_ids`` in one pass (under ``emulate`` with
+    ``prefill_len = len(prompt_ids)`` when ``policy`` is given; the unpatched model otherwise).
+
+    Returns ``answer_logprob`` (mean per token), ``answer_logprob_sum``, ``answer_token_acc`` and
+    ``answer_tokens``. Only the last ``len(answer)+1`` logits are computed when the model allows it. Logits with
+    NaN or infinity raise one :class:`KvevalError` line naming ``where`` and whose fault it is
+    (:func:`kveval.tasks.common.finite.check_finite_logits`), never a NaN score.
+    """
+    from kveval.patch import emulate
+
+    n = len(answer_ids)
+    ids = torch.tensor([list(prompt_ids) + list(answer_ids)], device=model.device)
+    kwargs = {"logits_to_keep": n + 1} if accepts(model, "logits_to_keep") else {}
+    patch = emulate(model, policy, prefill_len=len(prompt_ids)) if policy is not None else nullcontext()
+    who = quantized_by(policy)
+    with finite_quantizer_inputs(where, who or "the full-precision model"), patch, torch.no_grad():
+        logits = model(ids, **kwargs).logits[0, -(n + 1):-1].float()
+    check_finite_logits(logits, where=where, dtype=model.dtype, quantized_by=who)
+    target = torch.tensor(answer_ids, device=logits.device)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None])[:, 0]
+    return {
+        "answer_logprob": float(logp.mean()),
+        "answer_logprob_sum": float(logp.sum()),
+        "answer_token_acc": float((logits.argmax(-1) == target).float().mean()),
+        "answer_tokens": n,
+    }
+
+
+__all__ = ["CHUNK", "accepts", "log_probs", "path_kld", "score_answer"]

@@ -1,71 +1,32 @@
-"""The two scores of a prompt with a known answer, shared by the long-context tasks (``needle``, ``ruler``).
+"""Decoding through one cache: greedy answers of many prompts in left-padded batches, the ids they pad and stop
+with, and the two scores of a prompt with a known answer that the long-context tasks (``needle``, ``ruler``) give.
 
-* :func:`score_answer`, teacher-forced: the prompt and the reference answer in one pass, under
-  ``kveval.patch.emulate`` (prefill as the policy says) or the unpatched model; the answer's log-probabilities and
-  argmax accuracy.
-* :func:`generate_answer`, free-running: greedy generation through the real quantized cache
-  (``kveval.patch.QuantizedKVCache``) or plain ``generate``; the decoded text. :func:`generate_answers` does the
-  same for many prompts in left-padded batches (:func:`greedy_tokens`: the token ids), each row exactly as if it
-  were generated alone (the cache follows each row's own tokens: ``QuantizedKVCache``, "Batches and left
-  padding"), up to the float rounding of a padded batch against a single row.
+* :func:`greedy_tokens`: greedy generation through the real quantized cache (``kveval.patch.QuantizedKVCache``)
+  or plain ``generate``; :func:`generate_answers` decodes the text of many prompts, sorted by length into
+  left-padded batches, each row exactly as if it were generated alone (the cache follows each row's own tokens:
+  ``QuantizedKVCache``, "Batches and left padding"), up to the float rounding of a padded batch against a single
+  row. A row ends at the first of :func:`eos_token_ids` (the model's and the tokenizer's end-of-sequence ids,
+  collected here once for every task).
+* :func:`answer_scores`: per prompt, the teacher-forced score of its reference answer
+  (:func:`kveval.tasks.common.teacher.score_answer`) and, in batches, its greedy answer, with their timings.
 
-NaN or infinity in the logits of either stops the run with one :class:`~kveval.errors.KvevalError` line naming the
-unit of work (``where``) and whose fault it is (:mod:`kveval.tasks._finite`), never a NaN score nor an answer made
-of NaN.
-
-Helpers of the task modules (the leading underscore keeps the task registry from taking this for a task);
-``kveval.patch`` is imported inside the functions, so importing this module loads no model code.
+The seeded samples, stop strings and the two-cache lockstep loop of the generation task are
+:mod:`kveval.tasks.common.lockstep`'s. NaN or infinity in the logits stops the run with one
+:class:`~kveval.errors.KvevalError` line naming the unit of work (``where``) and whose fault it is
+(:mod:`kveval.tasks.common.finite`), never a NaN score nor an answer made of NaN. ``kveval.patch`` is imported
+inside the functions, so importing this module loads no model code.
 """
 
 from __future__ import annotations
 
-import inspect
+import time
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
-from kveval.tasks._finite import check_finite_logits, finite_generation, finite_quantizer_inputs
-
-
-def accepts(model, name: str) -> bool:
-    """Whether ``model.forward`` takes a parameter ``name`` (``logits_to_keep``)."""
-    return name in inspect.signature(model.forward).parameters
-
-
-def quantized_by(policy) -> str | None:
-    """What quantized the cache, for the non-finite check's message: None for the unpatched model."""
-    return None if policy is None else f"policy '{policy.name}'"
-
-
-def score_answer(model, prompt_ids: list[int], answer_ids: list[int], policy=None, *,
-                 where: str = "a prompt") -> dict:
-    """Teacher-forced: log-probs of ``answer_ids`` after ``prompt_ids`` in one pass (under ``emulate`` with
-    ``prefill_len = len(prompt_ids)`` when ``policy`` is given; the unpatched model otherwise).
-
-    Returns ``answer_logprob`` (mean per token), ``answer_logprob_sum``, ``answer_token_acc`` and
-    ``answer_tokens``. Only the last ``len(answer)+1`` logits are computed when the model allows it. Logits with
-    NaN or infinity raise one :class:`KvevalError` line naming ``where`` and whose fault it is
-    (:func:`kveval.tasks._finite.check_finite_logits`), never a NaN score.
-    """
-    from kveval.patch import emulate
-
-    n = len(answer_ids)
-    ids = torch.tensor([list(prompt_ids) + list(answer_ids)], device=model.device)
-    kwargs = {"logits_to_keep": n + 1} if accepts(model, "logits_to_keep") else {}
-    patch = emulate(model, policy, prefill_len=len(prompt_ids)) if policy is not None else nullcontext()
-    who = quantized_by(policy)
-    with finite_quantizer_inputs(where, who or "the full-precision model"), patch, torch.no_grad():
-        logits = model(ids, **kwargs).logits[0, -(n + 1):-1].float()
-    check_finite_logits(logits, where=where, dtype=model.dtype, quantized_by=who)
-    target = torch.tensor(answer_ids, device=logits.device)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None])[:, 0]
-    return {
-        "answer_logprob": float(logp.mean()),
-        "answer_logprob_sum": float(logp.sum()),
-        "answer_token_acc": float((logits.argmax(-1) == target).float().mean()),
-        "answer_tokens": n,
-    }
+from kveval.tasks.common.finite import finite_generation, finite_quantizer_inputs, quantized_by
+from kveval.tasks.common.teacher import score_answer
 
 
 def pad_token_id(model, tokenizer=None) -> int:
@@ -79,6 +40,16 @@ def pad_token_id(model, tokenizer=None) -> int:
             return pad
     eos = gen.eos_token_id
     return (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+
+
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """The ids a generated row ends at: the model's ``generation_config.eos_token_id`` (one or a list) and, given a
+    tokenizer, its ``eos_token_id``."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +76,12 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def greedy_tokens(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, policy=None, *,
-                  pad_id: int | None = None, where: str = "a prompt") -> list[list[int]]:
+                  pad_id: int | None = None, eos_ids: set[int] | None = None,
+                  where: str = "a prompt") -> list[list[int]]:
     """Greedy continuations (token ids, at most ``max_new_tokens`` each, ending at the first end-of-sequence
     token) of ``prompts`` generated as one left-padded batch: through one ``QuantizedKVCache(model, policy,
     left_padding=...)`` when ``policy`` is given (each row quantized as if alone), plain ``generate`` (its
-    DynamicCache) otherwise. Logits with NaN or +infinity raise one :class:`KvevalError` line naming ``where``."""
+    DynamicCache) otherwise. ``eos_ids``: where a row ends (:func:`eos_token_ids` of the model by default). Logits with NaN or +infinity raise one :class:`KvevalError` line naming ``where``."""
     from kveval.patch import QuantizedKVCache, cache_kwargs
 
     pad = pad_token_id(model) if pad_id is None else pad_id
@@ -127,9 +99,8 @@ def greedy_tokens(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         kwargs.update(cache_kwargs(model, cache))
     with finite_quantizer_inputs(where, who or "the full-precision model"), torch.no_grad(), plain_greedy(model):
         out = model.generate(ids, **kwargs)
-    eos = model.generation_config.eos_token_id
-    eos_ids = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
-    return [_cut_at_eos(row, eos_ids) for row in out[:, ids.shape[1]:].tolist()]
+    stops = eos_token_ids(model) if eos_ids is None else eos_ids
+    return [_cut_at_eos(row, stops) for row in out[:, ids.shape[1]:].tolist()]
 
 
 @contextmanager
@@ -157,12 +128,13 @@ def generate_answers(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
     so that a batch pads little (each row's answer does not depend on its batch: :func:`greedy_tokens`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}")
-    pad = pad_token_id(model, tokenizer)
+    pad, eos = pad_token_id(model, tokenizer), eos_token_ids(model, tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[str] = [""] * len(prompts)
     for first in range(0, len(order), batch_size):
         batch = order[first:first + batch_size]
-        tokens = greedy_tokens(model, [prompts[i] for i in batch], max_new_tokens, policy, pad_id=pad, where=where)
+        tokens = greedy_tokens(model, [prompts[i] for i in batch], max_new_tokens, policy, pad_id=pad, eos_ids=eos,
+                               where=where)
         for i, t in zip(batch, tokens):
             answers[i] = tokenizer.decode(t, skip_special_tokens=True)
     return answers
@@ -172,9 +144,39 @@ def generate_answer(model, tokenizer, prompt_ids: list[int], max_new_tokens: int
                     where: str = "a prompt") -> str:
     """Greedy continuation of ``prompt_ids`` (through ``QuantizedKVCache(model, policy)`` when ``policy`` is
     given), decoded without special tokens. A generated token's logits with NaN or infinity raise one
-    :class:`KvevalError` line (:func:`kveval.tasks._finite.finite_generation`), never a silent answer."""
+    :class:`KvevalError` line (:func:`kveval.tasks.common.finite.finite_generation`), never a silent answer."""
     return generate_answers(model, tokenizer, [prompt_ids], max_new_tokens, policy, where=where)[0]
 
 
-__all__ = ["accepts", "generate_answer", "generate_answers", "greedy_tokens", "left_padded", "pad_token_id",
-           "quantized_by", "score_answer"]
+def answer_scores(model, tokenizer, prompts: Sequence[tuple[Sequence[int], Sequence[int]]], max_new_tokens: int,
+                  policy=None, *, where: Sequence[str], batch_size: int, generate: bool = True) -> list[dict]:
+    """Both scores of each ``(prompt_ids, answer_ids)`` under one policy (None: the unpatched model), with their
+    timings: the teacher-forced score (:func:`~kveval.tasks.common.teacher.score_answer`: ``answer_logprob``,
+    ``answer_logprob_sum``, ``answer_token_acc``, ``answer_tokens``, then ``seconds_score``) one prompt at a time,
+    and with ``generate`` the greedy answer (``seconds_generate``, a batch's time divided by its rows, and
+    ``generated``, the text) ``batch_size`` prompts per left-padded batch (:func:`generate_answers`). ``where``:
+    each prompt in words, for the one line that NaN or infinity in the logits stops the run with (a batch names
+    its first prompt)."""
+    recs = []
+    for (prompt_ids, answer_ids), w in zip(prompts, where):
+        t0 = time.perf_counter()
+        rec = score_answer(model, list(prompt_ids), list(answer_ids), policy, where=w)
+        rec["seconds_score"] = time.perf_counter() - t0
+        recs.append(rec)
+    if not generate:
+        return recs
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first:first + batch_size]
+        t0 = time.perf_counter()
+        texts = generate_answers(model, tokenizer, [p for p, _ in batch], max_new_tokens, policy,
+                                 where=where[first] if len(batch) == 1 else f"{where[first]} and its batch",
+                                 batch_size=batch_size)
+        seconds = (time.perf_counter() - t0) / len(batch)
+        for rec, text in zip(recs[first:first + batch_size], texts):
+            rec["seconds_generate"] = seconds
+            rec["generated"] = text
+    return recs
+
+
+__all__ = ["answer_scores", "eos_token_ids", "generate_answer", "generate_answers", "greedy_tokens", "left_padded", "pad_token_id",
+           "plain_greedy"]

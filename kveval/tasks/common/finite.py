@@ -123,5 +123,10 @@ def non_finite_numbers(values: Mapping[str, Any], prefix: str = "") -> list[str]
     return out
 
 
+def quantized_by(policy) -> str | None:
+    """What quantized the cache, for the non-finite check's message: None for the unpatched model."""
+    return None if policy is None else f"policy '{policy.name}'"
+
+
 __all__ = ["check_finite_logits", "dtype_name", "finite_generation", "finite_quantizer_inputs", "model_fault",
-           "non_finite_kind", "non_finite_numbers", "quantizer_fault"]
+           "non_finite_kind", "non_finite_numbers", "quantized_by", "quantizer_fault"]

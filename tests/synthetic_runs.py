@@ -1,4 +1,5 @@
-"""A plausible results folder built by hand (no model): for the report's tests, the notebook test and demos.
+"""A plausible results folder built by hand (no model), a fixture of the report's tests and the notebook test.
+Imported by name (``from synthetic_runs import write_synthetic_run``; tests/ is on sys.path through conftest.py).
 
     write_synthetic_run(tmp_path / "run", needle=True, sensitivity=True, noise_floor=True)
 

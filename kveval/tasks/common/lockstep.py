@@ -1,27 +1,32 @@
-"""The lockstep decoding loop of the generation task: one model, two caches, the same prefix.
+"""Decoding a left-padded batch through one cache, or two in lockstep: greedy or seeded samples, stop strings.
 
-:func:`lockstep_generate` decodes a left-padded batch of prompts through two caches of the same model at once: the
-full-precision model's (transformers' ``DynamicCache``) and a policy's (kveval's real ``QuantizedKVCache``). At
-every step both see the same prefix; one of them, the ``driver``, chooses the next token (greedy argmax, or a
-seeded sample), the other is fed the same token (teacher-forced on the driver's trajectory). So along the policy's
-own trajectory (``driver="policy"``) and along the FP one (``driver="fp"``) the loop knows, per step, both
-next-token distributions, and keeps of them only their KL divergence KL(P_fp || P_policy) (and, when asked, the
-policy's log-probabilities, for the emulation contract's test).
+:func:`lockstep_generate` is the decoding loop of the generation task. With ``measure_kld=False`` (how the task
+runs) only the ``driver``'s cache runs: the FP model's ``DynamicCache`` (``driver="fp"``) or a policy's real
+``QuantizedKVCache`` (``driver="policy"``), one forward call per step, greedy (argmax) or seeded samples
+(:class:`Sampling`), each row ending at an end-of-sequence id or a stop string (:class:`Trajectory`).
 
-Each forward call is what ``model.generate`` makes (transformers 5.25, ``_prepare_position_ids_for_generation``,
-``_update_model_kwargs_for_generation``, ``prepare_inputs_for_generation``): position ids from the attention
+With ``measure_kld=True`` it decodes through both caches of the same model at once, the same prefix each step:
+the driver chooses the next token, the other cache is fed it (teacher-forced on the driver's trajectory), and the
+loop keeps per step KL(P_fp || P_policy) (and, when asked, the policy's log-probabilities). That mode is the test
+oracle of the one-pass KLD of :mod:`kveval.tasks.common.teacher` (``tests/test_generation_decode.py``) and of the
+GPU check (``bench/gpu_check.py``); the task itself computes the KLD in one teacher-forced pass.
+
+Each forward call copies what ``model.generate`` makes (transformers 5.25's ``generation/utils.py``:
+``_prepare_position_ids_for_generation``, ``_update_model_kwargs_for_generation``,
+``prepare_inputs_for_generation``; ``tests/test_generation_decode.py`` holds the loop to ``generate``'s tokens on
+every tiny attention family, so an upgrade that changes them shows): position ids from the attention
 mask's cumulative sum (0 on the padding), the whole 2-D mask each step (dropped when the prompts hold no padding,
 as ``generate`` drops an all-ones mask), ``logits_to_keep=1`` when the model takes it, a finished row fed the pad
 token with mask 1 (its outputs discarded; attention is per row, so the other rows never see it); the greedy token
 is the argmax of the logits cast to float32, as ``generate`` takes it. So ``driver="fp"`` greedy gives
 ``generate``'s tokens (plain ``DynamicCache``) and ``driver="policy"`` greedy those of
-``kveval.tasks._generation.greedy_tokens`` (the real cache through ``generate``). The checkpoint's
+``kveval.tasks.common.decoding.greedy_tokens`` (the real cache through ``generate``). The checkpoint's
 ``generation_config`` plays no part (no repetition penalty, no forced tokens: the argmax or the sample, nothing
 else).
 
 NaN or infinity in either model's logits stops the run with one :class:`~kveval.errors.KvevalError` line
-(:mod:`kveval.tasks._finite`): the full-precision logits are checked first, so a model that overflows on its own
-is named as such, never the policy.
+(:mod:`kveval.tasks.common.finite`): the full-precision logits are checked first, so a model that overflows on its
+own is named as such, never the policy.
 
 transformers and ``kveval.patch`` are imported inside the function, so importing this module loads no model code.
 """
@@ -33,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kveval.tasks._finite import check_finite_logits, finite_quantizer_inputs
-from kveval.tasks._generation import accepts, left_padded, quantized_by
-from kveval.tasks.generation.teacher import log_probs
+from kveval.tasks.common.decoding import left_padded
+from kveval.tasks.common.finite import check_finite_logits, finite_quantizer_inputs, quantized_by
+from kveval.tasks.common.teacher import accepts, log_probs
 
 #: the drivers: whose logits choose the next token
 DRIVERS = ("policy", "fp")

@@ -1,6 +1,8 @@
 """What each serving engine can run as a KV cache, as data: its cache types, the kveval spec that computes each,
-the preset that reproduces it, and how a policy may vary across layers and between K and V. ``kveval plan
---engine E`` plans within it and ``kveval deploy`` turns a policy into the engine's flags (pure; no transformers).
+the preset that reproduces it, how a policy may vary across layers and between K and V, the transforms its own
+cache applies and how one of its types is written. ``kveval plan --engine E`` plans within it (the sensitivity
+planner) and ``kveval deploy`` turns a policy into the engine's flags (:mod:`kveval.engines.express`; pure, no
+transformers).
 
 Per engine (the versions kveval's presets follow; docs/engines.md):
 
@@ -44,7 +46,9 @@ class EngineType:
 @dataclass(frozen=True)
 class Engine:
     """An engine: ``key`` (``--engine``), ``title``, its cache ``types``; ``split_kv``: K and V may take different
-    types; ``skip_layers``: single layers may stay in the model's dtype; ``full``: its name for that dtype."""
+    types; ``skip_layers``: single layers may stay in the model's dtype; ``full``: its name for that dtype;
+    ``transforms``: the K/V transforms its own cache applies (a policy with any other is not expressible there);
+    ``syntax``: how one of its types is written in short (``syntax.format(name=...)``, :meth:`label`)."""
 
     key: str
     title: str
@@ -52,6 +56,8 @@ class Engine:
     split_kv: bool
     skip_layers: bool
     full: str
+    transforms: frozenset[str]
+    syntax: str
 
     def type_of(self, spec: QuantSpec) -> EngineType | None:
         """The engine's type that ``spec`` computes (None: none does; ``none`` is the model's dtype)."""
@@ -63,6 +69,10 @@ class Engine:
 
     def type_named(self, spec_name: str) -> EngineType | None:
         return next((t for t in self.types if spec_name in t.specs), None)
+
+    def label(self, t: EngineType) -> str:
+        """Type ``t`` in the engine's syntax, in short (``--kv-cache-dtype fp8``, ``-ctk q8_0 -ctv q8_0``)."""
+        return self.syntax.format(name=t.name)
 
 
 def _fmt(name: str, *grans: str) -> Callable[[QuantSpec], bool]:
@@ -104,7 +114,8 @@ VLLM = Engine("vllm", "vLLM 0.33.0", (
                _fmt("fp8_per_token_head"), "Triton backend"),
     EngineType("int4_per_token_head", "vllm_int4_per_token_head", ("int4_per_token_head",),
                _fmt("int4_per_token_head"), "Triton backend"),
-), split_kv=False, skip_layers=True, full="auto")
+), split_kv=False, skip_layers=True, full="auto", transforms=frozenset({"query_fp8", "fa3_fp8_attention"}),
+    syntax="--kv-cache-dtype {name}")
 
 LLAMACPP = Engine("llamacpp", "llama.cpp 0c1e570", (
     EngineType("f16", None, ("none",), _none),
@@ -114,7 +125,8 @@ LLAMACPP = Engine("llamacpp", "llama.cpp 0c1e570", (
     EngineType("q5_0", "llamacpp_q5_0", ("q5_0",), _ggml("q5_0")),
     EngineType("q5_1", "llamacpp_q5_1", ("q5_1",), _ggml("q5_1")),
     EngineType("iq4_nl", "llamacpp_iq4_nl", ("iq4_nl",), _ggml("iq4_nl")),
-), split_kv=True, skip_layers=False, full="f16")
+), split_kv=True, skip_layers=False, full="f16", transforms=frozenset({"gguf_order", "hadamard", "query_quant"}),
+    syntax="-ctk {name} -ctv {name}")
 
 SGLANG = Engine("sglang", "SGLang 0.5.23", (
     EngineType("fp8_e4m3", None, ("fp8_e4m3", "fp8_e4m3_tensor"), _fmt("fp8_e4m3", "tensor"),
@@ -125,7 +137,7 @@ SGLANG = Engine("sglang", "SGLang 0.5.23", (
     EngineType("mxfp8", "sglang_mxfp8", ("mxfp8",), _fmt("mxfp8"), "FA4 backend"),
     EngineType("fp4_mx_block16", "sglang_fp4_e2m1", ("fp4_mx_block16",), _fmt("fp4_mx_block16"),
                "fp4_e2m1 before 0.5.23"),
-), split_kv=False, skip_layers=False, full="auto")
+), split_kv=False, skip_layers=False, full="auto", transforms=frozenset({"query_fp8"}), syntax="--kv-cache-dtype {name}")
 
 TRTLLM = Engine("trtllm", "TensorRT-LLM (PyTorch backend)", (
     EngineType("fp8", None, ("fp8_e4m3", "fp8_e4m3_tensor"), _fmt("fp8_e4m3", "tensor"),
@@ -133,7 +145,7 @@ TRTLLM = Engine("trtllm", "TensorRT-LLM (PyTorch backend)", (
     EngineType("nvfp4", "trtllm_nvfp4", ("nvfp4", "nvfp4_tensor"), _fmt("nvfp4", "tensor"),
                "a ModelOpt checkpoint with kv_cache_quant_algo NVFP4"),
     EngineType("int8", "trtllm_int8", ("int8_tensor",), _int8_tensor, "TensorRT backend only"),
-), split_kv=False, skip_layers=False, full="auto")
+), split_kv=False, skip_layers=False, full="auto", transforms=frozenset(), syntax="KvCacheConfig(dtype={name!r})")
 
 TRANSFORMERS = Engine("transformers", "transformers 5.24 QuantizedCache", (
     EngineType("fp8", "hf_fp8", ("fp8_e4m3_tensor",), _fmt("fp8_e4m3", "tensor")),
@@ -142,6 +154,6 @@ TRANSFORMERS = Engine("transformers", "transformers 5.24 QuantizedCache", (
     EngineType("quanto:2", "hf_quanto_int2", ("int2_g64", "int2_g32"), _quanto(2)),
     EngineType("hqq:4", "hf_hqq_int4", ("hqq4_g64", "hqq4_g32"), _hqq(4)),
     EngineType("hqq:2", "hf_hqq_int2", ("hqq2_g64",), _hqq(2)),
-), split_kv=False, skip_layers=False, full="DynamicCache")
+), split_kv=False, skip_layers=False, full="DynamicCache", transforms=frozenset(), syntax="QuantizedCache {name}")
 
 ENGINES: dict[str, Engine] = {e.key: e for e in (VLLM, LLAMACPP, SGLANG, TRTLLM, TRANSFORMERS)}
