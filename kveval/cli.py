@@ -11,9 +11,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from typer.core import TyperGroup
 
 from kveval.errors import KvevalError
+from kveval.messages import print_error, print_line
 
 
 class _OneLineErrors(TyperGroup):
@@ -39,7 +41,7 @@ class _OneLineErrors(TyperGroup):
             if not standalone_mode:
                 raise
             if type(exc).__name__ == "Abort":  # Ctrl-C while click was prompting or parsing
-                err_console.print("interrupted")
+                print_line(err_console, "interrupted")
                 sys.exit(EXIT_INTERRUPTED)
             if not (hasattr(exc, "format_message") and isinstance(getattr(exc, "exit_code", None), int)):
                 raise
@@ -47,7 +49,7 @@ class _OneLineErrors(TyperGroup):
             message = " ".join(exc.format_message().split())
             if type(exc).__name__ == "NoArgsIsHelpError" or not message:  # the help is printed already
                 sys.exit(exc.exit_code)
-            err_console.print(f"[bold red]error:[/] {where}: {message}", highlight=False, soft_wrap=True)
+            print_error(err_console, f"{where}: {message}")
             sys.exit(exc.exit_code)
         if not standalone_mode:
             return rv
@@ -153,11 +155,11 @@ def user_errors(fn):
             try:
                 return fn(*args, **kwargs)
             except KvevalError as exc:
-                err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+                print_error(err_console, exc)
                 raise typer.Exit(EXIT_USER_ERROR) from None
         except KeyboardInterrupt:
             with contextlib.suppress(KeyboardInterrupt):
-                err_console.print("interrupted; rerun the same command to resume from the recorded work")
+                print_line(err_console, "interrupted; rerun the same command to resume from the recorded work")
             raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return wrapper
@@ -454,7 +456,7 @@ def list_things(
         for _ in range(max(len(r) for r in rows) - 1):
             t.add_column()
         for row in rows:
-            t.add_row(*row)
+            t.add_row(*(Text(cell) for cell in row))  # names and help texts: never markup
         console.print(t)
         console.print()
     if not shown:

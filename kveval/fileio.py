@@ -7,6 +7,7 @@ symbolic link, and the JSONL log reader.
     with atomic_path(entry, folder=True) as tmp: ...       # a whole folder, renamed into place when complete
     append_line(run / "records.jsonl", json.dumps(rec))    # one line, flushed to disk, never through a link
     records = read_jsonl(run / "records.jsonl")            # an append-only log, minus its unreadable lines
+    with open_regular(user_path) as fh: ...               # a user's file: a FIFO or device refused, never opened
 
 The temporary file or folder is a hidden sibling of the target (``.<name>.<random>``, same file system, so the
 final ``os.replace`` is atomic, and it replaces a symbolic link at the target rather than writing through it); it is
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 #: ``os.O_NOFOLLOW`` where the platform has it (every POSIX system); 0 elsewhere.
 O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
@@ -58,7 +59,7 @@ def remove_stale_folders(path: Path) -> list[Path]:
     :func:`atomic_path` with ``folder`` and ``suffix=f".pid{os.getpid()}"``) whose writer is no longer running:
     what a writer killed part-way (SIGKILL, power loss) left behind, which no ``finally`` could remove. A folder of
     a live writer (another process writing the same target) stays. Returns the folders deleted."""
-    removed = []
+    removed: list[Path] = []
     prefix = f".{path.name}."
     try:
         siblings = list(path.parent.iterdir()) if path.parent.is_dir() else []
@@ -158,6 +159,51 @@ def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
         os.close(fd)
         raise
     return fd
+
+
+#: what :func:`check_regular` and :func:`open_regular` say of a FIFO, a socket or a device (``OSError.strerror``)
+NOT_REGULAR = "not a regular file (a FIFO, socket or device)"
+
+
+def _refuse_special(mode: int, path: str | Path) -> None:
+    if not stat.S_ISREG(mode):
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a folder", str(path))
+        raise OSError(errno.EINVAL, NOT_REGULAR, str(path))
+
+
+def check_regular(path: str | Path) -> None:
+    """Refuse, before anything opens it, a ``path`` that is not a regular file (links followed): ``OSError``
+    ``EINVAL`` (:data:`NOT_REGULAR`) for a FIFO, socket or device, which would block the open or stream forever,
+    ``IsADirectoryError`` for a folder, ``FileNotFoundError`` when absent. For a path handed to another library
+    (safetensors, numpy); kveval's own reads go through :func:`open_regular`."""
+    _refuse_special(os.stat(path).st_mode, path)
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """``open(path, "rb")`` of a user's file (a config, a sweep file, a corpus, a prompt file, a plan file...),
+    links followed, for a regular file only: anything else is refused as :func:`check_regular` refuses it, before
+    it is opened, and once more on the open descriptor (opened non-blocking: a file swapped for a FIFO in between
+    cannot block the open). The one way kveval opens a file a user names."""
+    check_regular(path)
+    fd = os.open(path, os.O_RDONLY | _O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _refuse_special(os.fstat(fd).st_mode, path)
+        if _O_NONBLOCK:
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular_bytes(path: str | Path) -> bytes:
+    """The bytes of a user's regular file (:func:`open_regular`: a FIFO, socket, device or folder is refused with
+    ``OSError`` before it is read)."""
+    with open_regular(path) as fh:
+        return fh.read()
 
 
 def append_line(path: str | Path, line: str) -> None:
@@ -276,5 +322,6 @@ def end_with_newline(path: str | Path) -> bool:
         os.close(fd)
 
 
-__all__ = ["JsonlRead", "O_NOFOLLOW", "append_line", "atomic_path", "atomic_write_bytes", "atomic_write_json",
-           "atomic_write_text", "end_with_newline", "open_nofollow", "read_jsonl", "scan_jsonl"]
+__all__ = ["NOT_REGULAR", "JsonlRead", "O_NOFOLLOW", "append_line", "atomic_path", "atomic_write_bytes",
+           "atomic_write_json", "atomic_write_text", "check_regular", "end_with_newline", "open_nofollow",
+           "open_regular", "read_jsonl", "read_regular_bytes", "scan_jsonl"]

@@ -52,7 +52,9 @@ PERMUTED_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral"})
 def read_magic(path: Path) -> tuple[bytes, int | None]:
     """The first 4 bytes of ``path`` (``b"GGUF"`` for a GGUF file) and the little-endian version after them (None
     for a file shorter than 8 bytes). OSError when the file cannot be read."""
-    with open(path, "rb") as f:
+    from kveval.fileio import open_regular
+
+    with open_regular(path) as f:  # a FIFO or device is refused (OSError), never opened
         head = f.read(8)
     return head[:4], int.from_bytes(head[4:8], "little") if len(head) == 8 else None
 

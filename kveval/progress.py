@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 
+from kveval.messages import print_line
+
 
 class Progress:
     def __init__(self, console: Console, quiet: bool = False):
@@ -16,7 +18,7 @@ class Progress:
         self.quiet = quiet or not console.is_terminal
 
     def log(self, message: str) -> None:
-        self.console.print(message, highlight=False)
+        print_line(self.console, message)
 
     @contextmanager
     def task(self, description: str, total: int, unit: str = "tok"):
@@ -37,8 +39,8 @@ class Progress:
             yield advance
             return
         columns = [
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}", markup=False), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
         ]
         with RichProgress(*columns, console=self.console, transient=False) as bar:
             task_id = bar.add_task(description, total=total, rate="")

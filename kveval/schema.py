@@ -12,6 +12,7 @@ and names UTF-16, other encodings and binary files in one line instead of a ``Un
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Any, TypeGuard
 
@@ -22,6 +23,12 @@ from kveval.errors import KvevalError
 
 MAX_YAML_DEPTH = 64
 MAX_YAML_NODES = 200_000
+#: the lowest sampling temperature a config may give (generation's ``temperature``, lm-eval's ``gen_kwargs``):
+#: samplers divide the logits by it, and logits that are finite in the model's dtype (at most float32's, and
+#: bfloat16's, 3.4e38) divided by 1e-6 stay finite even in float64 (3.4e44; the difference softmax takes from the
+#: largest logit, twice that); 5e-324, which passes ``> 0``, makes every scaled logit infinite and the
+#: probabilities NaN. Below it, sampling is greedy decoding in effect (a logit gap of 1e-4 weighs e^100).
+MIN_TEMPERATURE = 1e-6
 
 
 class Strict(BaseModel):
@@ -198,16 +205,22 @@ def read_text_file(path: str | Path, what: str = "file", max_bytes: int | None =
     ``what`` names the file in the messages ("config file", "corpus file"); ``max_bytes`` refuses larger files
     before reading them.
     """
-    p = Path(path)
+    from kveval.fileio import NOT_REGULAR, open_regular
+
     try:
-        if max_bytes is not None and p.stat().st_size > max_bytes:
-            raise KvevalError(f"{what} '{path}' is {p.stat().st_size} bytes, more than the {max_bytes} a {what} "
-                              "may have")
-        data = p.read_bytes()
+        with open_regular(path) as fh:  # a FIFO, socket or device is refused before it is opened
+            size = os.fstat(fh.fileno()).st_size
+            if max_bytes is not None and size > max_bytes:
+                raise KvevalError(f"{what} '{path}' is {size} bytes, more than the {max_bytes} a {what} may have")
+            data = fh.read()
     except FileNotFoundError:
         raise KvevalError(f"{what} '{path}' does not exist") from None
     except IsADirectoryError:
         raise KvevalError(f"{what} '{path}' is a folder, not a file") from None
     except OSError as exc:
+        if exc.strerror == NOT_REGULAR:
+            raise KvevalError(f"{what} '{path}' is {NOT_REGULAR}; give the path of a file") from None
         raise KvevalError(f"{what} '{path}' cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except ValueError as exc:  # a path holding a NUL byte
+        raise KvevalError(f"{what} '{path}' cannot be read ({exc})") from None
     return decode_text(data, f"{what} '{path}'")

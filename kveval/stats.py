@@ -207,6 +207,27 @@ def mean_of_present(values) -> float | None:
     return math.fsum(present) / len(present) if present else None
 
 
+def length_area(scores: dict[int, float | None]) -> float | None:
+    """The area under a score-by-length curve, normalised to the score's own scale: the mean of the scores of the
+    lengths that have one (each length weighs the same, as MRCR's area over its length buckets); None for none."""
+    return mean_of_present(list(scores.values()))
+
+
+def effective_length(scores: dict[int, float | None], base: dict[int, float | None], max_drop: float) -> int | None:
+    """RULER's effective length against the baseline: the longest length up to which every length's score is at
+    most ``max_drop`` below the baseline's at that length (lengths in rising order; a length either side lacks is
+    skipped); None when the shortest already drops more."""
+    longest = None
+    for length in sorted(scores):
+        mine, ref = scores[length], base.get(length)
+        if mine is None or ref is None:
+            continue
+        if ref - mine > max_drop + 1e-9:
+            break
+        longest = length
+    return longest
+
+
 def mean_and_uncertainty(total: float, total_sq: float, n: int) -> tuple[float, float]:
     """llama-perplexity's mean of a per-token quantity and its uncertainty, from the sums ``Σx``, ``Σx²`` over
     ``n`` tokens: ``Σx/n`` and the standard error ``sqrt((Σx²/n - mean²) / (n - 1))``, taken as 0 unless that

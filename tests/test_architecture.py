@@ -24,7 +24,7 @@ PACKAGE = ROOT / "kveval"
 LAYERS: list[tuple[str, ...]] = [
     ("kveval", "kveval.errors", "kveval.units", "kveval.paths", "kveval.fileio", "kveval.schema", "kveval.progress",
      "kveval.stats", "kveval.rope", "kveval.gguf", "kveval.task_definitions", "kveval.native",
-     "kveval.plugins"),  # foundations
+     "kveval.plugins", "kveval.messages"),  # foundations
     ("kveval.quant",),  # pure maths: formats, granularities, specs, rotations
     ("kveval.transforms",),  # K/V transforms on top of the quantizers
     ("kveval.policy",),  # what a policy is and when a token is quantized

@@ -76,7 +76,8 @@ def test_the_lm_eval_hook_refuses_an_include_folder_with_code(tmp_path):
 def test_omitted_at_default_is_read_from_each_tasks_params(tmp_path, monkeypatch):
     assert TASK_TYPES["perplexity"].OMITTED_AT_DEFAULT == {"start_token": 0, "batch_size": 1}
     declared = {name for name, cls in TASK_TYPES.items() if getattr(cls, "OMITTED_AT_DEFAULT", {})}
-    assert declared == {"perplexity"}
+    assert declared == {"needle", "perplexity"}  # needle: max_drop, added after run folders were written
+    assert TASK_TYPES["needle"].OMITTED_AT_DEFAULT == {"max_drop": 5.0}
     monkeypatch.setattr(TASK_TYPES[HOOKED], "OMITTED_AT_DEFAULT", {"trials": 2, "generate": True}, raising=False)
     entries = [{"perplexity": {"seq_len": 32}}, {"perplexity": {"seq_len": 32, "start_token": 5}},
                {HOOKED: {}}, {HOOKED: {"trials": 3, "generate": False}}]

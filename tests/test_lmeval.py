@@ -171,7 +171,8 @@ def test_cli_forwarder(tmp_path, monkeypatch):
     assert data["config"]["model"] == "kveval"
     assert data["config"]["kv_policy"] == "int2_g32" and data["config"]["layers_quantized"] == 4
     assert MC in data["results"]
-    assert lm_eval_command("int8", "builtin:tiny-llama", "float32", "cpu", ["--no-such-flag"]) != 0
+    with pytest.raises(KvevalError, match="unrecognized arguments: --no-such-flag"):  # one line, not argparse's usage
+        lm_eval_command("int8", "builtin:tiny-llama", "float32", "cpu", ["--no-such-flag"])
 
 
 def test_metric_names():

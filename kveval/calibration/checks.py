@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from kveval.errors import KvevalError
+from kveval.fileio import read_regular_bytes
 from kveval.results import SCALES_FILE, SCALES_USED_FILE, RunDir
 from kveval.tasks.context import CheckContext
 
@@ -106,7 +107,7 @@ def check_scales(ctx: CheckContext) -> dict:
                 used[name] = sf.digest()
                 ctx.cache[SOURCES_KEY][name] = sf.source()
             else:
-                used[name] = hashlib.sha256(Path(policy.scales).read_bytes()).hexdigest()
+                used[name] = hashlib.sha256(read_regular_bytes(policy.scales)).hexdigest()
     return used
 
 

@@ -73,14 +73,16 @@ def _calibrate(cfg, path: Path, *, quiet: bool, export: Path | None = None, stra
     import sys
 
     from rich.console import Console
+    from rich.text import Text
 
     from kveval.data import load_tokens
+    from kveval.messages import print_line
     from kveval.models import load_model
     from kveval.progress import Progress
 
     console = Console(width=None if sys.stdout.isatty() else 140)
-    console.print(f"[bold]kveval calibrate[/] {cfg.name}: {cfg.model.name} on {cfg.data.source}, "
-                  f"{cfg.calibration.tokens} tokens, method {cfg.calibration.method}")
+    console.print(Text.assemble(("kveval calibrate", "bold"), f" {cfg.name}: {cfg.model.name} on {cfg.data.source}, "
+                                f"{cfg.calibration.tokens} tokens, method {cfg.calibration.method}"), highlight=False)
     model, tokenizer = load_model(cfg.model.name, device=cfg.model.device, dtype=cfg.model.dtype,
                                   trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed,
                                   device_map=cfg.model.device_map, max_memory=cfg.model.max_memory)
@@ -91,7 +93,7 @@ def _calibrate(cfg, path: Path, *, quiet: bool, export: Path | None = None, stra
         written = calibrate(model, tokenizer, tokens, cfg, path, Progress(console, quiet=quiet))
     except OSError as exc:
         raise KvevalError(f"cannot write the scales file {path}: {exc}") from None
-    console.print(f"scales: {written}")
+    print_line(console, f"scales: {written}")
     if export is not None:
         from kveval.calibration.export import export_compressed_tensors
 
@@ -99,5 +101,5 @@ def _calibrate(cfg, path: Path, *, quiet: bool, export: Path | None = None, stra
             done = export_compressed_tensors(model, tokenizer, written, export, strategy)
         except OSError as exc:
             raise KvevalError(f"cannot write the checkpoint folder {export}: {exc}") from None
-        console.print(f"checkpoint: {done.summary()}")
+        print_line(console, f"checkpoint: {done.summary()}")
     return written

@@ -31,6 +31,8 @@ def load_target(target: str) -> tuple[dict[str, KVPolicy], Arch, int, str, ScanP
         side = read_plan_file(path)
         try:
             arch = Arch.from_dict(side.arch)
+            if arch.layers != len(side.layers):  # a hand-edited layer count would be billed (1e9 layers: no memory)
+                raise KvevalError(f"arch has {arch.layers} layers and the plan chooses specs for {len(side.layers)}")
             policy = KVPolicy.from_config(side.policy, name="planned")
         except KvevalError as exc:
             raise KvevalError(f"plan: '{path}': {exc}; rerun kveval plan") from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from kveval.errors import KvevalError
 from kveval.tasks.lm_eval.bridge import model_args_string
 
@@ -13,7 +15,9 @@ def lm_eval_command(kv: str, model: str, dtype: str, device: str, lm_eval_args: 
     ``lm_eval_args`` are lm-eval's ``run`` arguments, in lm-eval's own spelling; its ``--model`` (the backend) may
     only be ``kveval`` (the backend that puts the policy in the cache; any other is refused, naming ``--pretrained``
     for the checkpoint), ``--model_args`` are merged after kveval's (e.g. ``--model_args prefill=context
-    batch_size=4``). Returns the exit status.
+    batch_size=4``). Returns the exit status; arguments lm-eval's parser refuses (an unknown option,
+    ``--gen_kwargs notkeyvalue``) are one KvevalError line with its message, as is a backend set by any spelling of
+    ``--model`` (``-M hf``, ``-Mhf``, ``-M=hf``: lm-eval's own parse of the arguments says which backend is set).
     """
     args = list(lm_eval_args)
     if args and args[0] == "run":
@@ -23,15 +27,18 @@ def lm_eval_command(kv: str, model: str, dtype: str, device: str, lm_eval_args: 
     if not any(a == "--device" or a.startswith("--device=") for a in args):
         argv += ["--device", device]
     argv += args
-    import sys
-
     from lm_eval._cli import HarnessCLI
 
     parser = HarnessCLI()
+    parsed = _parsed(parser._parser, argv)
+    if isinstance(parsed, int):
+        return parsed  # --help (printed already)
+    backend = getattr(parsed, "model", "kveval")
+    if backend != "kveval":  # lm-eval's -M, -Mhf, -M=hf, --model=hf, an abbreviation: whatever spelling set it
+        raise _other_backend(backend)
     try:
-        parsed = parser._parser.parse_args(argv)
         parser.execute(parsed)
-    except SystemExit as exc:  # argparse errors and --help
+    except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
     except ValueError as exc:  # lm-eval's bad input: "Tasks not found: ...", a bad --model_args value
@@ -40,6 +47,37 @@ def lm_eval_command(kv: str, model: str, dtype: str, device: str, lm_eval_args: 
     finally:
         sys.stdout.flush()
     return 0
+
+
+def _parsed(parser, argv: list[str]):
+    """lm-eval's parse of ``argv``, or the exit status of ``--help`` (printed on stdout); an argparse error (an
+    unknown or ambiguous option, ``--gen_kwargs notkeyvalue``) is one KvevalError line with argparse's message,
+    instead of lm-eval's usage text and its error on stderr."""
+    import contextlib
+    import io
+
+    caught = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(caught):
+            return parser.parse_args(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        text = caught.getvalue().strip()
+        if code == 0:
+            if text:
+                print(text, file=sys.stderr)
+            return code
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        last = lines[-1] if lines else f"exit status {code}"
+        message = last.split(" error: ", 1)[1] if " error: " in last else last
+        raise KvevalError(f"kveval lm-eval: lm-eval refused its arguments: {message.strip()} (lm-eval run -h lists "
+                          f"them)") from None
+
+
+def _other_backend(value: str) -> KvevalError:
+    return KvevalError(f"kveval lm-eval: lm-eval's --model names the backend, and kveval lm-eval runs its own "
+                       f"(--model kveval, which puts the KV policy in the cache), not '{value}'; name the checkpoint "
+                       f"with kveval lm-eval --pretrained ORG/MODEL")
 
 
 def _without_kveval_backend(args: list[str]) -> list[str]:
@@ -51,9 +89,7 @@ def _without_kveval_backend(args: list[str]) -> list[str]:
         if a in ("--model", "-M") or a.startswith("--model="):
             value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
             if value != "kveval":
-                raise KvevalError(f"kveval lm-eval: lm-eval's --model names the backend, and kveval lm-eval runs "
-                                  f"its own (--model kveval, which puts the KV policy in the cache), not "
-                                  f"'{value}'; name the checkpoint with kveval lm-eval --pretrained ORG/MODEL")
+                raise _other_backend(value)
             i += 1 if "=" in a else 2
             continue
         out.append(a)

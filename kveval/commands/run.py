@@ -12,8 +12,9 @@ import torch
 from rich.console import Console
 
 from kveval.calibration.checks import check_scales, check_scales_unchanged, resolve_auto_scales, scales_sources
-from kveval.config import ExperimentConfig
+from kveval.config import ExperimentConfig, input_files
 from kveval.errors import KvevalError
+from kveval.messages import print_line
 from kveval.progress import Progress
 from kveval.report.console import part_for_summary, summary_table, weights_interaction_table
 from kveval.results import (
@@ -26,8 +27,9 @@ from kveval.results import (
     now,
     run_folder,
 )
+from kveval.results.checks import check_inputs_unchanged
 from kveval.results.layout import TASK_ENTRIES
-from kveval.results.store import task_label, tokens_digest
+from kveval.results.store import input_digests, task_label, tokens_digest
 from kveval.tasks.context import CheckContext
 
 
@@ -108,6 +110,7 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     run = RunDir.open(out_dir, cfg.resolved(), overwrite=overwrite, reset=checked.reset)
     if checked.digest is not None:
         run.record_tokens(checked.digest)
+    run.record_inputs(checked.inputs)
     if checked.scales_used:
         atomic_write_json(run.path / SCALES_USED_FILE, checked.scales_used)
     resolve_auto_scales(ctx, run)
@@ -122,7 +125,7 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     from kveval.commands.report import write_run_report
 
     write_run_report(run.path)  # a report that fails is one line and a non-zero exit; the results stay
-    ctx.console.print(f"results: {run.path}/")
+    print_line(ctx.console, f"results: {run.path}/")
     return metrics
 
 
@@ -135,7 +138,7 @@ def _load_and_check(cfg: ExperimentConfig, runners: dict, *, quiet: bool) -> Che
     console = Console(width=None if sys.stdout.isatty() else 140)
     policies = cfg.policies()
     seed_everything(cfg.seed)
-    console.print(f"[bold]kveval[/] {cfg.name}: loading {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device})")
+    print_line(console, f"kveval {cfg.name}: loading {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device})")
     model, tokenizer = load_model(
         cfg.model.name, device=cfg.model.device, dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed,
@@ -160,12 +163,14 @@ def _load_and_check(cfg: ExperimentConfig, runners: dict, *, quiet: bool) -> Che
 class FolderChecks:
     """What the checks against the results folder found, before its first write: ``scales_used`` (the digests of
     the scales and weight files, ``scales_used.json``), ``reset`` (start the folder afresh), ``plan`` (the
-    planned config's predictions, or None) and ``digest`` (the corpus tokens', when a task loaded them)."""
+    planned config's predictions, or None), ``digest`` (the corpus tokens', when a task loaded them) and
+    ``inputs`` (the digests of the input files, :func:`kveval.results.store.input_digests`)."""
 
     scales_used: dict
     reset: bool
     plan: dict | None
-    digest: str | None
+    digest: dict | None
+    inputs: dict
 
 
 def _check_folder(ctx: CheckContext, cfg: ExperimentConfig, out_dir: Path, *, overwrite: bool) -> FolderChecks:
@@ -186,7 +191,15 @@ def _check_folder(ctx: CheckContext, cfg: ExperimentConfig, out_dir: Path, *, ov
             if not overwrite:
                 raise
             reset = True  # --overwrite: start afresh on the new tokens
-    return FolderChecks(scales_used=scales_used, reset=reset, plan=plan, digest=digest)
+    inputs = input_digests(input_files(cfg))
+    if not replace:
+        try:
+            check_inputs_unchanged(out_dir, inputs)
+        except KvevalError:
+            if not overwrite:
+                raise
+            reset = True  # --overwrite: start afresh on the edited input files
+    return FolderChecks(scales_used=scales_used, reset=reset, plan=plan, digest=digest, inputs=inputs)
 
 
 def _environment(ctx: CheckContext, config_path: str | None) -> dict:

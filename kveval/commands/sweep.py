@@ -23,10 +23,14 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kveval.errors import KvevalError
-from kveval.fileio import atomic_write_text
+from kveval.fileio import atomic_write_text, read_regular_bytes
+from kveval.messages import print_line
 from kveval.results import METRICS_FILE, lock_folder, read_config
+from kveval.results.layout import LOCK_FILE, MARKER_FILE, PLOTS_DIR, RECORDS_FILE, REPORT_FILES, TABLES_DIR
+from kveval.sweep.expand import RUNS_DIR
 from kveval.sweep.load import PlannedRun, SweepPlan, load_sweep, resolved_yaml
 from kveval.sweep.report import INDEX_FILE, write_index, write_report
 from kveval.sweep.runner import (
@@ -43,6 +47,31 @@ from kveval.sweep.runner import (
 )
 
 CONFIGS_DIR, LOGS_DIR = "configs", "logs"
+#: what a sweep writes in its folder (and the lock, and atomic writes' hidden temporaries): a folder holding
+#: anything else is not the sweep's, and the sweep would overwrite it (a run's report.md, report.html, plots)
+_SWEEP_NAMES = (RUNS_DIR, CONFIGS_DIR, LOGS_DIR, INDEX_FILE, *REPORT_FILES, TABLES_DIR, PLOTS_DIR, LOCK_FILE)
+
+
+def check_sweep_folder(out: Path) -> None:
+    """A sweep writes only into a folder of its own: one that does not exist, an empty one, or one holding only
+    what a sweep writes (:data:`_SWEEP_NAMES`: a previous or interrupted sweep). One KvevalError line for a file,
+    a run folder (its marker, records.jsonl, metrics.json) or a folder holding anything else."""
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise KvevalError(f"sweep output '{out}' is not a folder; give the sweep a new or empty folder with -o DIR")
+    try:
+        names = sorted(os.listdir(out))
+    except OSError as exc:
+        raise KvevalError(f"sweep output '{out}' cannot be read ({exc.strerror or exc})") from None
+    others = [n for n in names if n not in _SWEEP_NAMES
+              and not (n.startswith(".") and any(n.startswith(f".{own}.") for own in _SWEEP_NAMES))]
+    if not others:
+        return
+    what = "a kveval run folder" if MARKER_FILE in others or RECORDS_FILE in others or METRICS_FILE in others \
+        else "not a sweep's folder"
+    raise KvevalError(f"sweep output '{out}' is {what} (it holds {others[0]!r}); a sweep writes only into a new, "
+                      "empty or sweep folder of its own: give it one with -o DIR")
 
 
 def finished_before(run: PlannedRun) -> bool:
@@ -59,7 +88,7 @@ def previous_entries(path: Path) -> dict[str, dict]:
     """The runs of the sweep.json a previous sweep left in this folder, by name (``{}`` when there is none or it
     does not read as one)."""
     try:
-        runs = json.loads(path.read_text()).get("runs")
+        runs = json.loads(read_regular_bytes(path)).get("runs")  # a FIFO there is refused, never opened
         return {e["name"]: e for e in runs if isinstance(e, dict) and isinstance(e.get("name"), str)}
     except (OSError, ValueError, AttributeError, TypeError):
         return {}
@@ -95,15 +124,15 @@ def _counts(entries: list[dict]) -> dict:
 
 def dry_run_table(plan: SweepPlan) -> Table:
     """The runs a sweep would start: name, axes, folder, and whether it is already finished."""
-    table = Table(title=f"sweep {plan.sweep.name}: {len(plan.runs)} runs into {plan.output}", title_justify="left")
+    table = Table(title=Text(f"sweep {plan.sweep.name}: {len(plan.runs)} runs into {plan.output}"),
+                  title_justify="left")
     for col in ("run", "model", "policies", "tasks", "folder", "state"):
         table.add_column(col, no_wrap=col == "run", overflow="fold")
     for run in plan.runs:
         axes = run.spec.axes
-        table.add_row(run.name, axes.get("model") or run.cfg.model.name,
-                      axes.get("policies") or ", ".join(run.cfg.kv.policies),
-                      axes.get("tasks", ""), str(run.folder), "finished (would skip)" if finished_before(run) else
-                      "to run")
+        cells = (run.name, axes.get("model") or run.cfg.model.name, axes.get("policies") or ", ".join(run.cfg.kv.policies),
+                 axes.get("tasks", ""), str(run.folder), "finished (would skip)" if finished_before(run) else "to run")
+        table.add_row(*(Text(str(c)) for c in cells))  # user text (a model path, a folder): never markup
     return table
 
 
@@ -116,6 +145,7 @@ def sweep_command(path: str, overrides: list[str] | None = None, *, address: str
     instead of its file's ``output:``."""
     plan = load_sweep(path, overrides, allow_code=allow_code, output=output)
     console = Console(width=None if sys.stdout.isatty() else 160)
+    check_sweep_folder(plan.output)  # before the dry run's table too: it would be refused
     if dry_run:
         console.print(dry_run_table(plan))
         return 0
@@ -123,6 +153,7 @@ def sweep_command(path: str, overrides: list[str] | None = None, *, address: str
     command = shlex.join(["kveval", "sweep", str(path), *[a for o in overrides or [] for a in ("-s", o)],
                           *(["-o", output] if output else []), *(["--address", address] if address else [])])
     with lock_folder(out, command=command, hint="wait for that sweep, or give it another folder with -o DIR"):
+        check_sweep_folder(out)  # again, under the lock: nothing changes it from here on
         started, t0 = now(), time.perf_counter()
         outcomes: dict[str, RunOutcome] = {}
         previous = previous_entries(out / INDEX_FILE)
@@ -151,9 +182,9 @@ def sweep_command(path: str, overrides: list[str] | None = None, *, address: str
             index["counts"] = _counts(index["runs"])
             write_index(out / INDEX_FILE, index)
 
-        console.print(f"[bold]kveval sweep[/] {plan.sweep.name}: {_count(len(plan.runs), 'run')}, "
-                      f"{len(tasks)} to run, "
-                      f"{len(plan.runs) - len(tasks)} already finished; folder {out}/")
+        console.print(Text.assemble(("kveval sweep", "bold"), f" {plan.sweep.name}: {_count(len(plan.runs), 'run')}, "
+                                    f"{len(tasks)} to run, {len(plan.runs) - len(tasks)} already finished; "
+                                    f"folder {out}/"), highlight=False)
         if not tasks:
             save()
         else:  # sweep.json is rewritten once Ray is there: a cluster that cannot be reached leaves the last one
@@ -162,8 +193,8 @@ def sweep_command(path: str, overrides: list[str] | None = None, *, address: str
                 index["ray"] = {"where": where, "cluster_cpus": cpus,
                                 "cluster_gpus": ray.cluster_resources().get("GPU", 0)}
                 save()
-                console.print(f"Ray ({where}, {_count(cpus, 'CPU')}): each run asks for {res.num_cpus:g} CPU, "
-                              f"{res.num_gpus:g} GPU" + (f", {res.memory}" if res.memory else ""))
+                print_line(console, f"Ray ({where}, {_count(cpus, 'CPU')}): each run asks for {res.num_cpus:g} CPU, "
+                                    f"{res.num_gpus:g} GPU" + (f", {res.memory}" if res.memory else ""))
                 run_tasks(tasks, ray_options(res.num_cpus, res.num_gpus, res.memory),
                           SweepProgress(console, quiet=quiet), on_outcome=save)
         index["finished"] = now()
@@ -171,20 +202,21 @@ def sweep_command(path: str, overrides: list[str] | None = None, *, address: str
         save()
         report = write_report(out, index)
     console.print(outcome_table(index))
-    console.print(f"index: {out / INDEX_FILE}\nreport: {report}")
+    print_line(console, f"index: {out / INDEX_FILE}\nreport: {report}")
     return 1 if index["counts"].get(FAILED) else 0
 
 
 def outcome_table(index: dict) -> Table:
     """The closing table: one row per run, its status, wall time and error."""
-    table = Table(title=f"sweep {index['sweep']}: " + ", ".join(f"{n} {s}" for s, n in index["counts"].items())
-                  + f" in {index['wall_s']:.1f} s", title_justify="left")
+    table = Table(title=Text(f"sweep {index['sweep']}: " + ", ".join(f"{n} {s}" for s, n in index["counts"].items())
+                             + f" in {index['wall_s']:.1f} s"), title_justify="left")
     for col in ("run", "status", "wall s", "error"):
         table.add_column(col, no_wrap=col != "error", overflow="fold")
     for e in index["runs"]:
         style = {FINISHED: "green", SKIPPED: "cyan", FAILED: "red"}.get(e["status"], "yellow")
         wall = "" if e.get("wall_s") is None else f"{e['wall_s']:.1f}"
-        table.add_row(e["name"], f"[{style}]{e['status']}[/]", wall, e.get("error") or "")
+        table.add_row(Text(str(e["name"])), Text(str(e["status"]), style=style), wall,
+                      Text(str(e.get("error") or "")))  # a run's error holds user text: never markup
     return table
 
 

@@ -28,7 +28,7 @@ A config is pure data (YAML); nothing in it is executed. Shape::
 No task is named here: what concerns one task is declared by that task (:mod:`kveval.tasks` describes the hooks).
 """
 
-from kveval.config.checks import check_inputs, check_writable_path
+from kveval.config.checks import check_inputs, check_writable_path, input_files
 from kveval.config.load import (
     ALLOW_CODE_HINT,
     MAX_CONFIG_BYTES,
@@ -59,4 +59,4 @@ from kveval.config.schema import (
 __all__ = ["ALLOW_CODE_HINT", "MAX_BOOTSTRAP", "MAX_CONFIG_BYTES", "MAX_GPU_MEMORY", "MAX_NAME_CHARS", "MAX_SEED",
            "MAX_TOKENS", "TASK_TYPES", "CalibrationConfig", "DataConfig", "ExperimentConfig", "KVConfig",
            "MemoryConfig", "ModelConfig", "TaskEntry", "Threshold", "check_inputs", "check_writable_path",
-           "code_allowed", "load_config", "parse_overrides", "schema_error_line", "task_presets", "validate"]
+           "code_allowed", "input_files", "load_config", "parse_overrides", "schema_error_line", "task_presets", "validate"]

@@ -88,9 +88,28 @@ def check_inputs(cfg: ExperimentConfig, source: str = "config") -> None:
         raise KvevalError(f"{source}: {exc}") from None
 
 
+def input_files(cfg: ExperimentConfig) -> dict[str, str]:
+    """``{label: path}`` of the files a run of ``cfg`` reads its inputs from, whose digests its run folder records
+    (:func:`kveval.results.store.input_digests`) so that a resume on an input edited in place is refused: a local
+    corpus file (``data``), the ``plan:`` file, and each task's input files, which its parameters declare (an
+    ``input_files()`` method returning ``{field: path}``, e.g. the generation task's prompt file; label
+    ``tasks[i].KIND.FIELD``). Scales and GGUF weight files are recorded apart (``scales_used.json``)."""
+    files: dict[str, str] = {}
+    if cfg.data.source not in _NAMED_CORPORA and Path(cfg.data.source).expanduser().is_file():
+        files["data"] = str(Path(cfg.data.source).expanduser())
+    if cfg.plan is not None:
+        files["plan"] = str(cfg.plan)
+    for i, entry in enumerate(cfg.tasks):
+        declared = getattr(entry.params, "input_files", None)
+        for field, path in (declared() if callable(declared) else {}).items():
+            files[f"tasks[{i}].{entry.kind}.{field}"] = str(path)
+    return files
+
+
 def _check_windows_fit(cfg: ExperimentConfig) -> None:
     """Task windows longer than the model's context, when the context is known without loading the model (the
-    tasks' own checks say the same at run time, for every model)."""
+    tasks' own checks say the same at run time, for every model): a task's ``context_needed`` (tokens, the
+    fields that add up to them) when its parameters compute one, else its ``context_lengths`` or ``seq_len``."""
     from kveval.models import context_limit_of
 
     limit = context_limit_of(cfg.model.name)
@@ -98,6 +117,12 @@ def _check_windows_fit(cfg: ExperimentConfig) -> None:
         return
     for i, entry in enumerate(cfg.tasks):
         p = entry.params
+        needed = getattr(p, "context_needed", None)  # a length computed from several fields, and their names
+        if isinstance(needed, tuple):
+            if needed[0] > limit:
+                raise KvevalError(f"tasks[{i}].{entry.kind}: {needed[1]} = {needed[0]} tokens is longer than the "
+                                  f"model's context ({limit} tokens); lower it")
+            continue
         field = "context_lengths" if hasattr(p, "context_lengths") else "seq_len"
         longest = max(getattr(p, field)) if field == "context_lengths" else getattr(p, field, None)
         if isinstance(longest, int) and longest > limit:

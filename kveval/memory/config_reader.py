@@ -40,12 +40,49 @@ class _ConfigView:
         self.data = config if isinstance(config, dict) else (config.to_dict() if hasattr(config, "to_dict")
                                                              else vars(config))
 
+    def per_layer(self, key: str) -> list | None:
+        """Each layer's value of ``key`` when the config gives it per layer (transformers' heterogeneous configs,
+        e.g. Gemma-4's head_dim, read through ``per_layer_config``; a dict's ``per_layer_config`` overrides; a raw
+        Gemma-4 config.json's ``global_head_dim`` on its full-attention layers), else None."""
+        if self.obj is not None:
+            if not getattr(self.obj, "is_heterogeneous", False):
+                return None
+            try:
+                return [getattr(layer, key, None) for layer in self.obj.per_layer_config]
+            except (AttributeError, KeyError, TypeError, ValueError, IndexError, RuntimeError):
+                return None
+        overrides = self.data.get("per_layer_config")
+        layers = self.data.get("num_hidden_layers")
+        if not isinstance(layers, int) or isinstance(layers, bool) or not 0 < layers <= 100_000:
+            return None
+        if isinstance(overrides, dict) and any(isinstance(o, dict) and key in o for o in overrides.values()):
+            values = [self.data.get(key)] * layers
+            for idx, o in overrides.items():
+                if isinstance(o, dict) and key in o and str(idx).isdigit() and int(idx) < layers:
+                    values[int(idx)] = o[key]
+            return values
+        types = self.data.get("layer_types")
+        if key == "head_dim" and self.data.get("global_head_dim") is not None and isinstance(types, list):
+            return [self.data.get("global_head_dim") if t == "full_attention" else self.data.get(key)
+                    for t in types[:layers]]
+        return None
+
     def get(self, key: str, default: Any = None) -> Any:
+        values = self.per_layer(key)
+        if values is not None:
+            distinct = sorted({repr(v) for v in values})
+            if len(distinct) > 1:
+                where = "; ".join(f"{v} on {_ranges([i for i, x in enumerate(values) if repr(x) == v])}"
+                                  for v in distinct)
+                raise KvevalError(f"the model config's {key} differs from layer to layer ({where}); kveval bills one "
+                                  f"{key} per model and cannot say what this model caches")
+            if values and values[0] is not None:
+                return values[0]
         if self.obj is not None:
             try:
                 value = getattr(self.obj, key)
-            except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-                value = None
+            except (AttributeError, KeyError, TypeError, ValueError, IndexError, RuntimeError):
+                value = None  # RuntimeError: transformers' ambiguous per-layer attribute (per_layer above)
             if value is not None:
                 return value
         value = self.data.get(key)
@@ -87,11 +124,16 @@ def arch_fields(config: Any, name: str | None = None, params: int | None = None)
         heads = cfg.need("num_attention_heads")
     except KeyError as exc:
         raise KvevalError(f"model config has no {exc.args[0]!r}; give --layers --kv-heads --head-dim") from None
+    _check_positive(layers, "num_hidden_layers")
+    _check_positive(heads, "num_attention_heads")
+    kinds = layer_kinds_of(cfg, layers)  # first: layers that share K/V are named as such, before their head sizes
     kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") // heads if cfg.get("hidden_size") else None)
+    _check_positive(kv_heads, "num_key_value_heads")
+    hidden = cfg.get("hidden_size")
+    head_dim = cfg.get("head_dim") or (hidden // heads if _positive(hidden) else None)
     if head_dim is None:
         raise KvevalError("model config has neither 'head_dim' nor 'hidden_size'; give --head-dim")
-    kinds = layer_kinds_of(cfg, layers)
+    _check_positive(head_dim, "head_dim")
     mla = _mla_of(cfg, heads)
     state = _state_of(cfg) if any(k in STATE_KINDS for k in kinds) else None
     sliding_window = cfg.get("sliding_window") if any(k in ("sliding", "hybrid_sliding") for k in kinds) else None
@@ -147,6 +189,25 @@ def sliding_window_layers(cfg: Any, layers: int) -> tuple[int | None, tuple[int,
     view = cfg if isinstance(cfg, _ConfigView) else _ConfigView(cfg)
     sliding = tuple(i for i, k in enumerate(layer_kinds_of(view, layers)) if k in ("sliding", "hybrid_sliding"))
     return (view.get("sliding_window") if sliding else None), sliding
+
+
+def _check_positive(value: Any, key: str) -> None:
+    """KvevalError (one line) unless the config's ``key`` is a whole number above zero (a head count of 0 divides
+    by zero further on)."""
+    if not _positive(value):
+        raise KvevalError(f"the model config's {key} is {value!r}: it must be a whole number above 0; fix the config")
+
+
+def _ranges(layers: list[int]) -> str:
+    """``layers 0-4, 6`` for layers 0, 1, 2, 3, 4 and 6 (``layer 5`` for one)."""
+    parts, start = [], None
+    for i, n in enumerate(layers):
+        if start is None:
+            start = n
+        if i + 1 == len(layers) or layers[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)
 
 
 def _positive(value: Any) -> bool:

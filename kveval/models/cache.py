@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kveval.errors import KvevalError
-from kveval.fileio import atomic_path
+from kveval.fileio import atomic_path, open_regular
 from kveval.gguf import check_gguf
 from kveval.models.checks import LOAD_ERRORS, check_finite_weights, first_line, text_config
 from kveval.models.placement import Placement, pretrained_placement
@@ -52,7 +52,7 @@ def gguf_cache_path(gguf_file: str | os.PathLike) -> Path:
     st = path.stat()
     h = hashlib.sha256()
     h.update(f"{_CACHE_FORMAT}|{path.name}|{st.st_size}|{transformers.__version__}|".encode())
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         h.update(f.read(1 << 20))
     return cache_dir("models") / f"{path.stem}-{h.hexdigest()[:16]}"
 
@@ -151,7 +151,7 @@ def file_digest(path: Path) -> str:
     rewrite its marker, so a cryptographic hash would add nothing but time."""
     import xxhash
 
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         if os.fstat(f.fileno()).st_size == 0:
             return xxhash.xxh3_128(b"").hexdigest()
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:

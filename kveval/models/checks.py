@@ -17,6 +17,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
 from kveval.errors import KvevalError
+from kveval.fileio import NOT_REGULAR, read_regular_bytes
 from kveval.gguf import check_gguf
 from kveval.models.hub import check_hub_model_cached
 from kveval.models.source import model_source
@@ -80,15 +81,24 @@ def check_model_folder(path: Path, trust_remote_code: bool = False) -> None:
     safetensors (pickle-only weights are refused, never loaded), and code it names (``auto_map``) is refused
     unless ``trust_remote_code``. One KvevalError line for each."""
     try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        cfg = json.loads(read_regular_bytes(path / "config.json").decode("utf-8"))
+    except OSError as e:
+        if e.strerror == NOT_REGULAR:
+            raise KvevalError(f"model folder '{path}': config.json is {NOT_REGULAR}; give a folder whose "
+                              f"config.json is a file") from None
+        raise KvevalError(f"model folder '{path}': config.json is not valid JSON ({type(e).__name__})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise KvevalError(f"model folder '{path}': config.json is not valid JSON ({type(e).__name__})") from None
     if not isinstance(cfg, dict):
         raise KvevalError(f"model folder '{path}': config.json is not a JSON object")
     if "auto_map" in cfg and not trust_remote_code:
         raise KvevalError(f"model folder '{path}' needs its own Python code (auto_map in config.json); kveval runs "
                           "it only with model.trust_remote_code: true and --allow-code")
+    check_config_sizes(path, cfg)
     files = [p.name for p in path.iterdir() if p.is_file()]
+    if "model.safetensors.index.json" in files and "model.safetensors" not in files:
+        _check_index_shards(path)
+        return
     if any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in files):
         return
     pickles = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES) or f.endswith(".bin.index.json"))
@@ -96,6 +106,44 @@ def check_model_folder(path: Path, trust_remote_code: bool = False) -> None:
         raise KvevalError(f"model folder '{path}' holds pickle weights only ({', '.join(pickles[:3])}); kveval never "
                           "loads pickles (they can run code): convert them to safetensors")
     raise KvevalError(f"model folder '{path}' has no weights (no *.safetensors file)")
+
+
+#: config.json sizes that must be whole numbers above 0 when given (a head count of 0 divides by zero in
+#: transformers and in kveval's shape reader)
+_POSITIVE_SIZES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim")
+
+
+def check_config_sizes(path: Path, cfg: dict) -> None:
+    """KvevalError naming the first of :data:`_POSITIVE_SIZES` (in config.json or its ``text_config``) that is
+    given but is not a whole number above 0."""
+    for where, part in (("", cfg), ("text_config.", cfg.get("text_config"))):
+        if not isinstance(part, dict):
+            continue
+        for key in _POSITIVE_SIZES:
+            value = part.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise KvevalError(f"model folder '{path}': config.json's {where}{key} is {str(value)[:40]}; it must "
+                                  "be a whole number above 0")
+
+
+def _check_index_shards(path: Path) -> None:
+    """KvevalError unless the folder's ``model.safetensors.index.json`` is a weight index whose every shard is a
+    file in the folder (what loading the model needs; the hub's cache is checked the same way by
+    :func:`kveval.models.hub.check_hub_model_cached`)."""
+    index = path / "model.safetensors.index.json"
+    try:
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        if not all(isinstance(s, str) for s in shards):
+            raise TypeError
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise KvevalError(f"model folder '{path}': model.safetensors.index.json is not a weight index (no "
+                          "weight_map of shard file names)") from None
+    missing = [s for s in shards if not (path / s).is_file()]
+    if missing:
+        raise KvevalError(f"model folder '{path}': {len(missing)} of {len(shards)} weight shards named by "
+                          f"model.safetensors.index.json are missing ({missing[0]} first); copy them into the folder")
 
 
 def text_config(cfg):

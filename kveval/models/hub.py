@@ -105,8 +105,9 @@ def check_hub_model_cached(name: str) -> None:
         raise KvevalError(f"model {name!r}: the local HuggingFace cache holds no safetensors weights and the hub "
                           f"cannot be reached: {fetch}")
     try:
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        from kveval.fileio import read_regular_bytes
+
+        shards = sorted(set(json.loads(read_regular_bytes(index).decode("utf-8"))["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise KvevalError(f"model {name!r}: its cached model.safetensors.index.json is not a weight index; "
                           f"{fetch}") from None

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from kveval.errors import KvevalError
+from kveval.fileio import read_regular_bytes
 from kveval.memory.arch import Arch
 from kveval.memory.fit import model_designs
 from kveval.models.builtin import BUILTIN_CONTEXT, tiny_model_config
-from kveval.models.checks import first_line, text_config
+from kveval.models.checks import check_config_sizes, first_line, text_config
 from kveval.models.hub import hub_guard
 from kveval.models.placement import placement_summary
 from kveval.models.source import model_source
@@ -83,7 +84,7 @@ def context_limit_of(name: str) -> int | None:
     if not (path / "config.json").is_file():
         return None
     try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        cfg = json.loads(read_regular_bytes(path / "config.json").decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     for section in (cfg.get("text_config"), cfg) if isinstance(cfg, dict) else ():
@@ -112,7 +113,10 @@ def model_config(name: str) -> Any:
             return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         if source.kind == "gguf" and source.path is not None:
             return AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-        if source.kind == "folder":
+        if source.kind == "folder" and source.path is not None:
+            raw = json.loads((source.path / "config.json").read_text(encoding="utf-8"))
+            if isinstance(raw, dict):
+                check_config_sizes(source.path, raw)  # a head count of 0 would divide by zero in transformers
             return AutoConfig.from_pretrained(str(source.path))
         with hub_guard() as offline:
             try:
@@ -122,5 +126,6 @@ def model_config(name: str) -> Any:
                     raise KvevalError(f"the config of {name!r} is not in the local HuggingFace cache and the hub "
                                       "cannot be reached; use --shape or --layers --kv-heads --head-dim") from None
                 raise KvevalError(f"the config of {name!r} could not be read: {first_line(exc)}") from None
-    except (OSError, ValueError, KeyError, AttributeError, TypeError, StrictDataclassError) as exc:  # a config class
+    except (OSError, ValueError, KeyError, AttributeError, TypeError, ArithmeticError, RecursionError,
+            StrictDataclassError) as exc:  # a config class refusing values
         raise KvevalError(f"the config of {name!r} could not be read: {first_line(exc)}") from None  # refusing values

@@ -171,3 +171,23 @@ def check_tokens(path: Path, digest: dict) -> None:
         "corpus or the tokenizer changed since; rerun with --overwrite to start afresh, or set output: to "
         "another folder"
     )
+
+
+def check_inputs_unchanged(path: Path, digests: dict) -> None:
+    """Refuse (one-line :class:`KvevalError`) to resume the run folder ``path`` when an input file its records
+    were computed from changed since (``digests``: ``{label: {"path", "sha256", "bytes"}}`` from
+    :func:`kveval.results.store.input_digests`, e.g. ``tasks[0].generation.prompts``): a prompt file edited in
+    place, same ids and new answers, would otherwise be scored by records of the old answers. A folder that
+    recorded no inputs (new, or made by an older kveval), and an input it did not record, pass."""
+    before = read_marker(path).get("inputs")
+    if not isinstance(before, dict):
+        return
+    for label, now in digests.items():
+        was = before.get(label)
+        if not isinstance(was, dict) or was.get("sha256") in (None, now["sha256"]):
+            continue
+        raise KvevalError(
+            f"{path}: {label} '{now['path']}' changed since this run's records were written (sha256 "
+            f"{str(was.get('sha256'))[:12]}, now {now['sha256'][:12]}); rerun with --overwrite to start afresh, or "
+            "set output: to another folder"
+        )

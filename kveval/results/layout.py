@@ -9,7 +9,9 @@ Schema (docs/design.md section 4; docs/results.md lists every field of ``metrics
   expanded to its full form (``kv.policies.NAME``), ``tasks`` as ``[{KIND: {param: value}}]``. A rerun whose
   resolved config differs is refused unless ``overwrite``. Written atomically.
 * ``env.json`` (:data:`ENV_FILE`): ``python``, ``platform``, ``torch``, ``transformers``, ``kveval``,
-  ``git_commit``, ``device``, ``cuda_device``, ``threads``, ``argv``, ``config_path``, ``command``, ``started``
+  ``git_commit``, ``device``, ``cuda_device``, ``cpu`` (the CPU's model name), ``cpu_capability`` (the vector
+  instruction set torch's CPU kernels use: ``AVX512``, ``AVX2``...), ``threads``, ``argv``, ``config_path``,
+  ``command``, ``started``
   and ``finished`` (ISO 8601, UTC; ``finished`` null while the run works); ``weights`` (the reference and each
   variant's ``info``) for a run with ``model.weights``. Written atomically.
 * ``records.jsonl`` (:data:`RECORDS_FILE`): one JSON object per unit of work (perplexity window x policy, needle

@@ -41,8 +41,22 @@ from typing import Any
 import yaml
 
 from kveval.errors import KvevalError
-from kveval.fileio import append_line, atomic_write_json, atomic_write_text, end_with_newline, scan_jsonl
-from kveval.results.checks import check_folder, check_tokens, is_own_name, not_regular, read_marker
+from kveval.fileio import (
+    append_line,
+    atomic_write_json,
+    atomic_write_text,
+    end_with_newline,
+    open_regular,
+    scan_jsonl,
+)
+from kveval.results.checks import (
+    check_folder,
+    check_inputs_unchanged,
+    check_tokens,
+    is_own_name,
+    not_regular,
+    read_marker,
+)
 from kveval.results.checks import folder_kind as folder_kind  # re-exported (kveval.commands.calibrate)
 from kveval.results.layout import (
     CONFIG_FILE,
@@ -83,6 +97,8 @@ def environment(device: str = "cpu") -> dict:
         "git_commit": _git_commit(),
         "device": device,
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu": cpu_model(),
+        "cpu_capability": cpu_capability(),
         "threads": torch.get_num_threads(),
         "argv": sys.argv,
     }
@@ -90,6 +106,32 @@ def environment(device: str = "cpu") -> dict:
     if outside:
         env["untested_dependencies"] = outside
     return env
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``, else ``platform.processor()``), None when
+    neither says: two machines whose CPUs differ may round differently (docs/findings.md)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def cpu_capability() -> str | None:
+    """The vector instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``:
+    ``AVX512``, ``AVX2``, ``DEFAULT``...; ``ATEN_CPU_CAPABILITY`` lowers it): the kernels' summation order, and so
+    their rounding, depends on it."""
+    import torch
+
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def untested_dependencies(requirements: list[str] | None = None) -> list[str]:
@@ -142,6 +184,26 @@ def tokens_digest(token_ids: Any) -> dict:
 
     arr = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8").reshape(-1))
     return {"sha256": hashlib.sha256(arr.tobytes()).hexdigest(), "count": int(arr.size)}
+
+
+def input_digests(files: dict[str, str]) -> dict:
+    """``{label: {"path", "sha256", "bytes"}}`` of the input files a run reads (``files``: ``{label: path}``, from
+    :func:`kveval.config.input_files`), read in 1 MiB blocks: what the marker records, so that a resume on an
+    input edited in place is refused (:func:`~kveval.results.checks.check_inputs_unchanged`). KvevalError (one
+    line) for a file that cannot be read."""
+    out = {}
+    for label, path in files.items():
+        h, size = hashlib.sha256(), 0
+        try:
+            with open_regular(path) as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+                    size += len(block)
+        except (OSError, KvevalError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise KvevalError(f"{label} '{path}' cannot be read ({reason})") from None
+        out[label] = {"path": str(path), "sha256": h.hexdigest(), "bytes": size}
+    return out
 
 
 class RunDir:
@@ -226,6 +288,22 @@ class RunDir:
                             "assuming they were computed on the same corpus")
         marker.setdefault("format", MARKER_FORMAT)
         marker["tokens"] = digest
+        try:
+            self._write_marker(marker)
+        except OSError as exc:
+            raise KvevalError(f"cannot write {self.path / MARKER_FILE}: {exc.strerror or exc}") from None
+
+    def record_inputs(self, digests: dict) -> None:
+        """Check (:func:`~kveval.results.checks.check_inputs_unchanged`) and remember the digests of the input
+        files the records are computed from (:func:`input_digests`), beside those remembered before."""
+        check_inputs_unchanged(self.path, digests)
+        marker = self.marker()
+        before = marker.get("inputs")
+        inputs: dict = before if isinstance(before, dict) else {}
+        if all(inputs.get(k) == v for k, v in digests.items()) and "inputs" in marker:
+            return
+        marker.setdefault("format", MARKER_FORMAT)
+        marker["inputs"] = {**inputs, **digests}
         try:
             self._write_marker(marker)
         except OSError as exc:

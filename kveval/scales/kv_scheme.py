@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import cast
 
 from kveval.errors import KvevalError
+from kveval.fileio import read_regular_bytes
 
 PRODUCERS = ("compressed-tensors", "modelopt")
 STRATEGIES = ("tensor", "attn_head")
@@ -61,7 +62,7 @@ class KVScheme:
 def read_json(path: Path, where: str) -> dict:
     """A JSON object file of checkpoint ``where``; one KvevalError line when it cannot be read or is no object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular_bytes(path).decode("utf-8"))  # a FIFO is refused (OSError), never opened
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise checkpoint_error(where, f"{path.name} cannot be read as JSON ({type(exc).__name__})") from None
     if not isinstance(data, dict):

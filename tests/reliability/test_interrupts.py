@@ -91,7 +91,7 @@ def test_ctrl_c_while_the_error_line_prints_still_exits_130(tmp_path, monkeypatc
     real_print = cli.err_console.print
 
     def print_interrupted(*args, **kwargs):
-        if str(args[0]).startswith("[bold red]error"):
+        if str(args[0]).startswith("error:"):
             raise KeyboardInterrupt
         return real_print(*args, **kwargs)
 

@@ -19,8 +19,11 @@ The checkers (``CHECKERS``):
   answer: as numbers when both read as numbers (``\\frac{1}{2}``, ``1/2``, ``0.5`` are one number), else as text
   with spaces, ``$`` and ``\\left`` / ``\\right`` removed and ``\\dfrac`` / ``\\tfrac`` read as ``\\frac``.
 * ``gsm8k``: the number right after the last ``####`` equals the answer (GSM8K's answer line, ``#### 1,234``).
-* ``regex``: ``re.search(answer, output)`` finds a match (the answer IS the pattern; case-sensitive unless the
-  pattern says ``(?i)``).
+* ``regex``: the answer, a Python regular expression, is found in the output (``re.search``; the answer IS the
+  pattern; case-sensitive unless the pattern says ``(?i)``). It is matched by the ``regex`` module (``re``'s syntax)
+  under a time bound, :data:`REGEX_TIMEOUT_S` per search: a pattern that backtracks without end (``(a|aa)+$``) is
+  refused when the file is read if it is slow on a few probe texts (:func:`check_checker`), and at any output by
+  :class:`RegexTimeout`, one line naming the prompt, never a hang.
 
 Numbers: an optional ``-`` (not a hyphen after a word: ``3-4`` reads 3 and 4), digits with optional ``,``
 thousands groups (``1,000``; ``1,2,3`` is three numbers) and an optional decimal part (``-0.5``, ``.5``); a ``$``
@@ -31,8 +34,11 @@ An answer that does not read as a number fails every numeric comparison (``check
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+
+import regex as _regex
 
 from kveval.errors import KvevalError, did_you_mean
 
@@ -48,6 +54,17 @@ _WRAPPERS = "\"'`*_“”‘’"
 _TRAILING = ".!?,;:"
 _GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER.pattern + ")")
 _FRACTION = re.compile(r"\\frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}|(-?[\d.,]+)/(-?[\d.,]+)")
+
+#: seconds one search of a ``regex`` answer may take (a search of a generation takes microseconds; a pattern that
+#: backtracks without end never returns)
+REGEX_TIMEOUT_S = 1.0
+#: texts a ``regex`` answer is searched in when the prompt file is read: runs of one kind of character ending in
+#: another, where nested repetition (``(a|aa)+$``, ``(\d+)*x``) backtracks exponentially
+_PROBES: tuple[str, ...] = tuple(c * 95 + end for c in ("a", "0", " ", ".") for end in ("!", "\n")) + ("ab" * 48,)
+
+
+class RegexTimeout(KvevalError):
+    """A ``regex`` answer whose search of one output took longer than :data:`REGEX_TIMEOUT_S`."""
 
 
 def strip_thinking(text: str) -> str:
@@ -106,29 +123,47 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def check_answer(output: str, answer: str, checker: str) -> bool:
+def check_answer(output: str, answer: str, checker: str, *, prompt: str | None = None) -> bool:
     """Whether ``output`` (the decoded generation, thinking already stripped) holds ``answer`` by ``checker``
     (one of :data:`CHECKERS`; the module docstring says how each reads). False for an unknown checker or a
-    pattern that does not compile (``check_checker`` refuses both up front); never raises."""
+    pattern that does not compile (``check_checker`` refuses both up front). Never raises, but for a ``regex``
+    answer whose search takes longer than :data:`REGEX_TIMEOUT_S`: :class:`RegexTimeout`, one line naming
+    ``prompt`` (the prompt's id)."""
     try:
         return _CHECKS[checker](str(output), str(answer)) if checker in _CHECKS else False
-    except (re.error, ValueError, OverflowError, RecursionError, MemoryError):
+    except TimeoutError:
+        named = f"generation prompt {_short(prompt, 70)}: " if prompt is not None else ""
+        raise RegexTimeout(f"{named}its answer regex {_short(answer)} took longer than {REGEX_TIMEOUT_S:g} s to "
+                           f"search a {len(str(output)):,}-character output (nested repetition such as (.+)+ "
+                           f"backtracks without end); simplify the pattern or use checker 'exact'") from None
+    except (re.error, _regex.error, ValueError, OverflowError, RecursionError, MemoryError):
         return False
 
 
 def check_checker(checker: str, answer: str) -> None:
     """Refuse, in one ``KvevalError`` line, an unknown ``checker`` (with a did-you-mean) or, for ``regex``, an
-    ``answer`` that is not a regular expression Python compiles. Numeric answers are not checked here."""
+    ``answer`` that is not a regular expression Python compiles, or one whose search of a probe text (a run of one
+    character, 96 characters) takes longer than :data:`REGEX_TIMEOUT_S`. Numeric answers are not checked here."""
     if checker not in CHECKERS:
         raise KvevalError(f"unknown answer checker {str(checker)[:64]!r}; the checkers are {', '.join(CHECKERS)}"
                           f"{did_you_mean(checker, CHECKERS)}")
     if checker == "regex":
         try:
-            re.compile(answer)
-        except (re.error, TypeError, ValueError, RecursionError, OverflowError) as exc:
+            pattern = _compiled(answer)
+        except (re.error, _regex.error, TypeError, ValueError, RecursionError, OverflowError) as exc:
             reason = " ".join(str(exc).split())
             raise KvevalError(f"the answer {_short(answer)} of checker 'regex' is not a valid Python regular "
                               f"expression ({reason}); fix the pattern or use checker 'exact'") from None
+        for probe in _PROBES:
+            try:
+                pattern.search(probe, timeout=REGEX_TIMEOUT_S)
+            except TimeoutError:
+                raise KvevalError(f"the answer {_short(answer)} of checker 'regex' takes longer than "
+                                  f"{REGEX_TIMEOUT_S:g} s to search the {len(probe)}-character text {_short(probe, 24)} "
+                                  f"(nested repetition such as (a|aa)+ backtracks without end); simplify the pattern "
+                                  f"or use checker 'exact'") from None
+            except (_regex.error, ValueError, OverflowError, RecursionError, MemoryError):
+                break
 
 
 def _short(value: object, limit: int = 60) -> str:
@@ -226,8 +261,16 @@ def _check_boxed(output: str, answer: str) -> bool:
     return bool(expected) and got == expected
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(answer: str):
+    """``answer`` compiled by the ``regex`` module, in ``re``'s syntax (VERSION0)."""
+    if not isinstance(answer, str):
+        raise TypeError(f"a pattern is a string, not {type(answer).__name__}")
+    return _regex.compile(answer, _regex.VERSION0)
+
+
 def _check_regex(output: str, answer: str) -> bool:
-    return re.search(answer, output) is not None
+    return _compiled(answer).search(output, timeout=REGEX_TIMEOUT_S) is not None
 
 
 _CHECKS = {"exact": _check_exact, "numeric": _check_first_number, "regex": _check_regex,

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kveval.errors import KvevalError, did_you_mean
+from kveval.fileio import open_regular
 from kveval.tasks.generation.checkers import check_checker, parse_number
 
 #: what a prompt id may hold (it is part of record keys)
@@ -152,7 +153,8 @@ def load_jsonl(path: str) -> list[Prompt]:
     ``"exact"`` when there is an answer; ``id`` defaults to ``p-<line number>`` (1-based). A prompt without an
     answer is open-ended (fidelity only). Anything else is refused with one ``KvevalError`` line naming the file
     and line: a path that is not a regular file (a FIFO or device is never opened) or cannot be read, text that is
-    not UTF-8, a line that is not a JSON object, an unknown field, a missing, non-string or blank prompt, an answer
+    not UTF-8, a line that is not a JSON object, an unknown field, a missing, non-string or blank prompt, a prompt,
+    answer or checker holding a lone surrogate (``"\\ud800"``: no character, a tokenizer cannot encode it), an answer
     that is not a string or a finite number (or is blank), a checker without an answer, an unknown checker, a
     ``regex`` answer that does not compile, a ``numeric`` / ``last_number`` / ``gsm8k`` answer that is not a
     number, an id that is not a string of 1-64 characters of ``[A-Za-z0-9_.-]``, a duplicate id, a file without
@@ -163,7 +165,7 @@ def load_jsonl(path: str) -> list[Prompt]:
     prompts: list[Prompt] = []
     seen: set[str] = set()
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path) as handle:  # checked above; refused again if swapped for a FIFO since
             for lineno, raw in enumerate(handle, start=1):
                 if lineno > MAX_LINES:
                     raise KvevalError(f"{where} has more than {MAX_LINES:,} lines (line {lineno}); split it into "
@@ -235,6 +237,8 @@ def _prompt_of(obj: dict, lineno: int, at: str) -> Prompt:
         raise KvevalError(f"{at} {what}; give each line a \"prompt\" string")
     if not text.strip():
         raise KvevalError(f"{at} the prompt is empty; give it some text or remove the line")
+    for field in ("prompt", "answer", "checker"):
+        _check_no_surrogates(obj.get(field), field, at)
     answer = _answer_of(obj.get("answer"), at)
     checker = obj.get("checker")
     if checker is not None and not isinstance(checker, str):
@@ -258,6 +262,17 @@ def _prompt_of(obj: dict, lineno: int, at: str) -> Prompt:
         raise KvevalError(f"{at} the id {_short(prompt_id)} is not 1-{MAX_ID_LENGTH} characters of letters, "
                           f"digits, '_', '.' and '-'; give an id such as 'q-17'")
     return Prompt(id=prompt_id, text=text, answer=answer, checker=checker, kind="jsonl")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_no_surrogates(value: object, field: str, at: str) -> None:
+    """Refuse a string holding a lone UTF-16 surrogate (JSON's ``"\\ud800"`` escape): Python reads it, but it is
+    no character, so a tokenizer cannot encode it (and the run would fail at its first prompt)."""
+    if isinstance(value, str) and (found := _SURROGATE.search(value)):
+        raise KvevalError(f"{at} the {field} holds a lone surrogate (\\u{ord(found.group()):04x} at character "
+                          f"{found.start() + 1}), which is not a character; write the text it stands for")
 
 
 def _answer_of(value: object, at: str) -> str | None:

@@ -88,6 +88,9 @@ def check(ctx, params: Params) -> None:
     if params.thinking and not params.chat_template:
         raise KvevalError("tasks: generation.thinking needs chat_template: true (the thinking mode is the chat "
                           "template's); set chat_template: true or thinking: false")
+    if params.thinking and not getattr(ctx.tokenizer, "chat_template", None):
+        raise KvevalError(f"tasks: generation.thinking: the tokenizer of {ctx.cfg.model.name} has no chat template, "
+                          "so there is no thinking mode to switch on; set thinking: false, or use a model with one")
     if params.prompts == "builtin" and params.continuations:
         need, have = params.continuations * params.continuation_tokens, ctx.tokens().numel()
         if have < need:
@@ -252,5 +255,5 @@ def _record(tokenizer, params: Params, prompt: Prompt, who: str, unit: str, traj
     rec["text"] = text
     if prompt.answer is not None and prompt.checker is not None:
         answer_text = strip_thinking(text) if params.thinking else text
-        rec["correct"] = bool(check_answer(answer_text, prompt.answer, prompt.checker))
+        rec["correct"] = bool(check_answer(answer_text, prompt.answer, prompt.checker, prompt=prompt.id))
     return rec

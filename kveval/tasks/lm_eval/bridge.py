@@ -70,8 +70,8 @@ def resolve_policy(kv: str | dict | KVPolicy) -> KVPolicy:
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         from kveval.schema import load_yaml, read_text_file
 
-        if not path.is_file():
-            raise KvevalError(f"policy file {kv!r} does not exist")
+        if not path.exists():
+            raise KvevalError(f"policy file {kv!r} does not exist")  # a FIFO or folder: read_text_file refuses it
         data = load_yaml(read_text_file(path, "policy file", max_bytes=1 << 20), f"policy file {kv}")
         return KVPolicy.from_config(data, name=path.stem)
     return KVPolicy.preset(kv)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kveval.errors import KvevalError
+from kveval.fileio import NOT_REGULAR, check_regular, read_regular_bytes
 from kveval.task_definitions import DEFINITIONS_DIR, LM_EVAL_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[3]  # the checkout: kveval/tasks/lm_eval/task.py -> the folder of kveval/
@@ -61,15 +62,43 @@ def include_code(folder: str | Path) -> str | None:
         if real in seen or len(seen) > MAX_INCLUDE_FILES:
             continue
         seen.add(real)
-        try:
-            text = real.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue  # lm-eval cannot read it either
         where = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+        try:
+            text = read_regular_bytes(real).decode("utf-8", errors="replace")
+        except OSError as exc:
+            if exc.strerror == NOT_REGULAR:  # lm-eval would open it and block
+                raise _special(folder, where) from None
+            continue  # lm-eval cannot read it either
         for sign in _CODE_SIGNS:
             if sign in text:
                 return f"{where}: {sign}"
         todo.extend(_yaml_includes(text, real.parent))
+    return None
+
+
+def _special(folder: str | Path, where: str) -> KvevalError:
+    return KvevalError(f"tasks: lm_eval.include_path '{folder}': {where} is {NOT_REGULAR}, which lm-eval would open "
+                       f"and wait on forever; remove it or give a folder of task YAML files")
+
+
+def special_include_file(folder: str | Path) -> str | None:
+    """The first task YAML under ``folder`` (as :func:`include_code` walks it) that is not a regular file: a FIFO,
+    socket or device, which lm-eval would open and block on; or None."""
+    import os
+
+    root, count = Path(folder), 0
+    for dirpath, _dirs, files in os.walk(root):
+        for fname in files:
+            count += 1
+            if count > MAX_INCLUDE_FILES:
+                return None  # include_code refuses the folder
+            if fname.endswith((".yaml", ".yml")):
+                path = Path(dirpath) / fname
+                try:
+                    check_regular(path)
+                except OSError as exc:
+                    if exc.strerror == NOT_REGULAR:
+                        return str(path.relative_to(root))
     return None
 
 
@@ -94,6 +123,9 @@ def check_include_path(path: str | None, *, allow_code: bool) -> str | None:
     ``allow_code`` (or it is kveval's own :data:`SHIPPED_TASKS`): a one-line KvevalError that names the code and
     the opt-in."""
     resolved = resolve_include_path(path)
+    special = special_include_file(resolved) if resolved is not None else None
+    if special is not None:
+        raise _special(path or "", special)
     if resolved is not None and not allow_code and Path(resolved).resolve() != SHIPPED_TASKS:
         found = include_code(resolved)
         if found is not None:
@@ -105,4 +137,4 @@ def check_include_path(path: str | None, *, allow_code: bool) -> str | None:
 
 
 __all__ = ["MAX_INCLUDE_FILES", "REPO_ROOT", "SHIPPED_TASKS", "check_include_path", "include_code",
-           "resolve_include_path"]
+           "resolve_include_path", "special_include_file"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from kveval.schema import Strict
+from kveval.schema import MIN_TEMPERATURE, Strict
 
 NAME = "lm_eval"
 
@@ -25,6 +25,41 @@ class Params(Strict):
     repeats: int | None = Field(None, gt=0, le=1024)
     # lm-eval's --gen_kwargs: merged into every generation task's generation_kwargs (e.g. do_sample, temperature)
     gen_kwargs: dict[str, str | bool | int | float] | None = None
+
+    @model_validator(mode="after")
+    def _sampling(self):
+        check_sampling_kwargs(self.gen_kwargs or {}, "gen_kwargs")
+        return self
+
+
+def _number(value: object) -> float | None:
+    """A gen_kwargs value as a number (lm-eval passes ``--gen_kwargs`` values as text), None when it is not one."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def check_sampling_kwargs(kwargs: dict, where: str) -> None:
+    """ValueError (pydantic's, or the caller's one line) for sampling that transformers' ``generate`` refuses
+    only once the run is under way: ``do_sample`` true with a ``temperature`` that is not a number of at least
+    :data:`kveval.schema.MIN_TEMPERATURE` (0 is refused by transformers; 5e-324 overflows the scaled logits), or
+    a ``top_p`` outside (0, 1]."""
+    if str(kwargs.get("do_sample", False)).lower() not in ("true", "1"):
+        return
+    if "temperature" in kwargs:
+        t = _number(kwargs["temperature"])
+        if t is None or not MIN_TEMPERATURE <= t <= 1e6:
+            raise ValueError(f"{where}: do_sample: true samples at temperature {str(kwargs['temperature'])[:40]}, "
+                             f"which must be a number of at least {MIN_TEMPERATURE:g} (a lower one divides the "
+                             "logits past any float's range; for greedy decoding set do_sample: false)")
+    if "top_p" in kwargs:
+        p = _number(kwargs["top_p"])
+        if p is None or not 0 < p <= 1:
+            raise ValueError(f"{where}: do_sample: true keeps a nucleus of top_p {str(kwargs['top_p'])[:40]}, "
+                             "which must be a number in (0, 1]")
 
 
 def check_inputs(params: Params, *, allow_code: bool) -> None:

@@ -49,7 +49,7 @@ from kveval.tasks.lm_eval.include import (  # noqa: F401 (the include-path check
     include_code,
     resolve_include_path,
 )
-from kveval.tasks.lm_eval.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
+from kveval.tasks.lm_eval.params import NAME, Params, check_sampling_kwargs  # noqa: F401 (NAME, Params: a task module names them)
 
 _TASK_MANAGERS: dict = {}
 
@@ -208,6 +208,10 @@ def check_repeats(config, params: Params) -> None:
                           "them all (a majority_vote filter or its own process_results, e.g. kveval_qa_sampled "
                           "in tasks/lm_eval)")
     kwargs = {**(getattr(config, "generation_kwargs", None) or {}), **(params.gen_kwargs or {})}
+    try:
+        check_sampling_kwargs(kwargs, f"tasks: lm_eval: task '{name}' with gen_kwargs")
+    except ValueError as exc:
+        raise KvevalError(str(exc)) from None
     if str(kwargs.get("do_sample", False)).lower() not in ("true", "1"):
         raise KvevalError(f"tasks: lm_eval.repeats: task '{name}' decodes greedily (do_sample is not true), so "
                           f"its {params.repeats} samples would be identical; add gen_kwargs: {{do_sample: true, "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -23,6 +23,10 @@ class Params(Strict):
     batch_size: int = Field(8, gt=0)  # trials of one context length generated per left-padded batch
     chat_template: bool = True
     plots: bool = True  # the report draws the heatmaps (kveval.report.task_figures), not the task
+    max_drop: float = Field(5.0, gt=0, le=100)  # accuracy points below the baseline a context may lose (effective length)
+
+    #: added after run folders were written: left out of the resolved config at its default, so they resume
+    OMITTED_AT_DEFAULT: ClassVar[dict[str, Any]] = {"max_drop": 5.0}
 
     @model_validator(mode="after")
     def _unique(self):

@@ -27,7 +27,13 @@ from __future__ import annotations
 
 from kveval.errors import KvevalError
 from kveval.results.layout import BASELINE
-from kveval.stats import mean_of_present, minimum_detectable_effect, paired_standard_error
+from kveval.stats import (
+    effective_length,
+    length_area,
+    mean_of_present,
+    minimum_detectable_effect,
+    paired_standard_error,
+)
 from kveval.tasks.common.decoding import answer_scores
 from kveval.tasks.common.runner import Unit, Work, run_units
 from kveval.tasks.needle.params import NAME, Params  # noqa: F401 (a task module names its NAME and Params)
@@ -169,7 +175,7 @@ def run(ctx, params: Params) -> dict:
 
     run_units(ctx, NAME, units, Work(label=f"needle ({params.variant})", noun="trials", evaluate=evaluate_batch,
                                      prepare=prepare, batch_size=params.batch_size))
-    return aggregate(ctx.run.records(), list(ctx.policies))
+    return aggregate(ctx.run.records(), list(ctx.policies), max_drop=params.max_drop)
 
 
 def _summarise(records: list[dict]) -> dict:
@@ -197,19 +203,36 @@ def _trial_id(r: dict) -> tuple:
     return (r["variant"], r["context"], r["depth"], r["trial"])
 
 
-def aggregate(records: list[dict], policies: list[str]) -> dict:
-    """metrics.json's needle fields from the records (pure: the same records give the same metrics)."""
+def _by_context(summary: dict) -> dict[int, float | None]:
+    """Exact-match accuracy (points) per context length, over its depths and trials."""
+    cells: dict[int, list] = {}
+    for row in summary["needle_cells"]:
+        if row["accuracy"] is not None:
+            cells.setdefault(row["context"], []).extend([row["accuracy"]] * row["trials"])
+    return {c: 100.0 * v for c, vals in cells.items() if (v := mean_of_present(vals)) is not None}
+
+
+def aggregate(records: list[dict], policies: list[str], *, max_drop: float = 5.0) -> dict:
+    """metrics.json's needle fields from the records (pure: the same records give the same metrics). Besides the
+    grid: ``needle_length_area`` (the mean accuracy in points over the context lengths, MRCR's area) and, per
+    policy, ``needle_effective_length`` (the longest context up to which every context is within ``max_drop``
+    points of the baseline's accuracy: RULER's effective length)."""
     by_policy: dict[str, list[dict]] = {}
     for r in records:
         if r.get("task") == NAME:
             by_policy.setdefault(r["policy"], []).append(r)
     base_recs = by_policy.get(BASELINE, [])
     base = _summarise(base_recs)
+    base_points = _by_context(base)
+    base["needle_length_area"] = length_area(base_points)
     base_hit = {_trial_id(r): r.get("exact_match") for r in base_recs}
     out = {BASELINE: base, "policies": {}}
     for name in policies:
         recs = by_policy.get(name, [])
         s = _summarise(recs)
+        points = _by_context(s)
+        s["needle_length_area"] = length_area(points)
+        s["needle_effective_length"] = effective_length(points, base_points, max_drop)
         for field, delta in (("needle_accuracy", "needle_accuracy_delta"), ("needle_answer_logprob", "needle_logprob_delta")):
             s[delta] = None if s[field] is None or base[field] is None else s[field] - base[field]
         pairs = [(base_hit.get(_trial_id(r)), r.get("exact_match")) for r in recs]

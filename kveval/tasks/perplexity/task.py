@@ -50,6 +50,7 @@ from collections.abc import Iterator
 
 from kveval.data import token_windows
 from kveval.errors import KvevalError
+from kveval.messages import print_warning
 from kveval.results.layout import BASELINE
 from kveval.tasks.common.runner import Unit, Work, run_units
 from kveval.tasks.perplexity.aggregate import aggregate, resolution_warnings, verdict  # noqa: F401 (verdict: tests)
@@ -83,7 +84,7 @@ def check(ctx, params: Params) -> None:
     scored = sum(len(w.input_ids) - w.score_from for w in windows)
     for line in resolution_warnings(scored, ctx.cfg.threshold):  # on stdout: stderr is kept for the error line
         if ctx.console is not None:
-            ctx.console.print(f"[yellow]warning:[/] perplexity: {line}", highlight=False)
+            print_warning(ctx.console, f"perplexity: {line}")
         else:
             print(f"warning: perplexity: {line}")
 

@@ -36,10 +36,13 @@ says whose fault it is before that sample's record is written (:mod:`kveval.task
 from __future__ import annotations
 
 from kveval.errors import KvevalError
+from kveval.messages import print_warning
 from kveval.results.layout import BASELINE
 from kveval.stats import (
     binomial_sd_points,
+    effective_length,
     inconclusive,
+    length_area,
     mean_of_present,
     minimum_detectable_effect,
     paired_standard_error,
@@ -128,7 +131,7 @@ def check(ctx, params: Params) -> None:
                 f"policy at that drop is detected (alpha 0.05, power 0.8) from about {need} samples per cell; "
                 "verdicts near it will say inconclusive")
         if ctx.console is not None:
-            ctx.console.print(f"[yellow]warning:[/] {line}", highlight=False)
+            print_warning(ctx.console, line)
         else:
             print(f"warning: {line}")
 
@@ -233,6 +236,12 @@ def _summarise(records: list[dict], families: list[str]) -> dict:
     }
 
 
+def _by_length(records: list[dict]) -> dict[int, float | None]:
+    """RULER's score (points) per length, over its families and samples."""
+    lengths = sorted({r["length"] for r in records})
+    return {n: _points([r for r in records if r["length"] == n]) for n in lengths}
+
+
 def _cell_power(cell: dict, pairs: list[tuple[float, float]], max_drop: float) -> None:
     """A cell's minimum detectable drop (alpha 0.05, power 0.8) and its verdict, in place: ``drop_mde`` from the
     paired per-sample differences (baseline minus policy, score points), their spread floored by the binomial
@@ -273,11 +282,16 @@ def aggregate(records: list[dict], policies: list[str], params: Params) -> dict:
             by_policy.setdefault(r["policy"], []).append(r)
     families = list(params.families)
     base = _summarise(by_policy.get(BASELINE, []), families)
+    base_points = _by_length(by_policy.get(BASELINE, []))
+    base["ruler_length_area"] = length_area(base_points)
     base_cells = {(c["family"], c["length"]): c for c in base["ruler_cells"]}
     out: dict = {BASELINE: base, "policies": {}}
     for name in policies:
         s = _summarise(by_policy.get(name, []), families)
         s["ruler_drop"] = _drop(base["ruler_score"], s["ruler_score"])
+        points = _by_length(by_policy.get(name, []))
+        s["ruler_length_area"] = length_area(points)
+        s["ruler_effective_length"] = effective_length(points, base_points, params.max_drop)
         s["ruler_logprob_delta"] = _diff(s["ruler_answer_logprob"], base["ruler_answer_logprob"])
         base_score = {(r["family"], r["length"], r["sample"]): r.get("score") for r in by_policy.get(BASELINE, [])}
         for cell in s["ruler_cells"]:
