@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_stderr_one_line import one_line  # the one-line error check of every reliability test
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
@@ -28,15 +29,6 @@ def kveval(*args: object, cwd: Path | None = None) -> subprocess.CompletedProces
                               env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     except subprocess.TimeoutExpired:
         pytest.fail(f"kveval {' '.join(map(str, args))} hung (still running after {TIMEOUT_S} s)")
-
-
-def one_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def fifo(path: Path) -> Path:

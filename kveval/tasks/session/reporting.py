@@ -7,7 +7,6 @@ failing turns side by side (the FP model's answer and the policy's)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -16,6 +15,7 @@ from kveval.report.blocks import Block
 from kveval.report.sections import SummaryColumn, TaskReporting, figure_file, plots_enabled, save_figure
 from kveval.report.tables import format_number, is_number
 from kveval.results import BASELINE, RunResults
+from kveval.results.read import read_records
 
 NAME = "session"
 SESSION_COLUMNS = ["run", "policy", "variant", "accuracy", "recovery", "drop", "drop_mde", "verdict",
@@ -93,7 +93,7 @@ def _depth_figure(res: RunResults, out: Path, prefix: str) -> Path | None:
 
 def _examples(res: RunResults, limit: int) -> pd.DataFrame:
     """The earliest failing turns of policies where the FP model answered correctly: both answers side by side."""
-    records = [json.loads(line) for line in _record_lines(res)]
+    records = read_records(res.path) if getattr(res, "path", None) else []
     fp = {(r["session"], t["turn"]): t for r in records if r.get("task") == NAME and r.get("policy") == BASELINE
           for t in r["turns"]}
     rows = []
@@ -109,13 +109,6 @@ def _examples(res: RunResults, limit: int) -> pd.DataFrame:
                 break
     rows.sort(key=lambda x: (x["turn"], x["policy"]))
     return pd.DataFrame(rows[:limit])
-
-
-def _record_lines(res: RunResults) -> list[str]:
-    path = Path(res.path) / "records.jsonl" if getattr(res, "path", None) else None
-    if path is None or not path.is_file():
-        return []
-    return [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
 
 
 def section(res: RunResults, out: Path, prefix: str, level: int) -> list[Block]:
