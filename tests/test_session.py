@@ -42,23 +42,38 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 def test_checkers_score_answers_against_known_values():
     tool = Turn("call", "json_tool", name="get_weather", arguments={"city": "Rome"}, schema=TOOL_SCHEMA)
     good = 'Sure: {"name": "get_weather", "arguments": {"city": "Rome"}} Done.'
-    assert score_turn(tool, good, "Done.", [])["tool"] == {"parsed": True, "schema": True, "exact": True}
+    assert score_turn(tool, good, [], suffix="Done.")["tool"] == {"parsed": True, "schema": True, "exact": True}
     wrong_arg = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-    assert score_turn(tool, wrong_arg, None, [])["tool"] == {"parsed": True, "schema": True, "exact": False}
+    assert score_turn(tool, wrong_arg, [])["tool"] == {"parsed": True, "schema": True, "exact": False}
     bad_schema = '{"name": "get_weather", "arguments": {"city": 3}}'
-    assert score_turn(tool, bad_schema, None, [])["tool"] == {"parsed": True, "schema": False, "exact": False}
-    assert score_turn(tool, "{not json", None, [])["tool"] == {"parsed": False, "schema": False, "exact": False}
+    assert score_turn(tool, bad_schema, [])["tool"] == {"parsed": True, "schema": False, "exact": False}
+    assert score_turn(tool, "{not json", [])["tool"] == {"parsed": False, "schema": False, "exact": False}
     number = Turn("q", "number", "4821")
-    assert score_turn(number, "The code is 4821. Done.", "Done.", []) == {
+    assert score_turn(number, "The code is 4821. Done.", [], suffix="Done.") == {
         "correct": True, "persist": True, "tool": None, "expected": "4821"}
-    assert score_turn(number, "It is 4820", "Done.", [])["correct"] is False
-    assert score_turn(number, "It is 4820", "Done.", [])["persist"] is False
+    assert score_turn(number, "It is 4820", [], suffix="Done.")["correct"] is False
+    assert score_turn(number, "It is 4820", [], suffix="Done.")["persist"] is False
     own = Turn("again?", "own_number", own_from=0)
-    assert score_turn(own, "I said 77", None, ["The answer is 77."])["correct"] is True
-    assert score_turn(own, "I said 77", None, ["no number"])["correct"] is False  # nothing to recall
-    assert score_turn(Turn("q", "contains", "Paris"), "it is paris", None, [])["correct"] is True
-    assert score_turn(Turn("q", "exact", "yes"), " yes Done.", "Done.", [])["correct"] is True
+    assert score_turn(own, "I said 77", ["The answer is 77."])["correct"] is True
+    assert score_turn(own, "I said 77", ["no number"])["correct"] is False  # nothing to recall
+    assert score_turn(Turn("q", "contains", "Paris"), "it is paris", [])["correct"] is True
+    assert score_turn(Turn("q", "exact", "yes"), " yes Done.", [], suffix="Done.")["correct"] is True
     # a JSON object after an unbalanced brace and one inside a string are still found; scanning is bounded
+    # a prefix opens the answer: the JSON is read across it, numbers only from the generated text
+    opened = Turn("call", "json_tool", name="get_weather", arguments={"city": "Rome"},
+                  prefix='{"name": "get_weather", "arguments": {"city": "')
+    assert score_turn(opened, 'Rome"}}', [])["tool"]["exact"] is True
+    summed = Turn("How many?", "number", "10", prefix="7 + 3 = ")
+    assert score_turn(summed, "10 apples.", [])["correct"] is True
+    assert score_turn(summed, "11.", [])["correct"] is False
+    assert score_turn(Turn("q", "number", "1", prefix="It is"), " 1. And 2.", [], sentences=1)["persist"] is False
+    # the builtin instruction: one sentence, ending as a sentence ends
+    assert score_turn(number, "The code is 4821.", [], sentences=1)["persist"] is True
+    assert score_turn(number, "The code is 4821. It is in the box.", [], sentences=1)["persist"] is False
+    assert score_turn(number, "The code is 4821", [], sentences=1)["persist"] is False  # cut off
+    assert score_turn(number, "It is 4.5 or 4821!", [], sentences=1)["persist"] is True  # a decimal point
+    assert score_turn(number, "The code is 4821. Done.", [], suffix="Done.", sentences=1)["persist"] is False
+    assert score_turn(number, "The code is 4821", [])["persist"] is None  # nothing asked
     assert first_json_object('{ oops } then {"a": "}"}') == {"a": "}"}
     assert first_json_object("{" * 100_000) is None
 
@@ -69,9 +84,13 @@ def test_builtin_sessions_are_seeded_and_hold_their_facts():
     assert [s.id for s in a] == ["c0-0", "c0-1", "c8-0", "c8-1"]
     assert a == builtin_sessions(2, filler, [0, 8], seed=3) and a != builtin_sessions(2, filler, [0, 8], seed=4)
     for s in a:
-        assert s.turns[0].answer in s.context and s.turns[2].answer in s.context
-        assert s.turns[3].arguments["city"] in s.context
-        assert s.turns[5].answer == str(int(s.turns[4].answer) + int(s.turns[5].user.split("plus ")[1].split("?")[0]))
+        assert s.turns[0].answer in s.context and s.turns[3].answer in s.context
+        assert s.turns[2].arguments["city"] in s.context
+        assert f"locker number is {s.turns[5].answer}, my desk number is {s.turns[1].answer} and" in s.turns[1].user
+        x, y = (int(w) for w in s.turns[4].user.split() if w.isdigit())
+        assert s.turns[4].answer == str(x + y) and s.turns[4].prefix == f"{x} + {y} = "
+        assert [t.kind for t in s.turns] == ["retrieve_context", "remember_user", "tool_call", "retrieve_context",
+                                             "arithmetic", "retrieve_user", "recall_own"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,6 +109,8 @@ GOOD_TURN = {"user": "What is 2 plus 2?", "answer": "4", "checker": "number"}
     ({"id": "s", "turns": [GOOD_TURN, {"user": "again", "checker": "own_number", "own_from": 1}]},
      "index of an earlier turn"),
     ({"id": "s", "turns": [GOOD_TURN], "colour": 1}, "unknown field 'colour'"),
+    ({"id": "s", "turns": [GOOD_TURN], "sentences": 0}, "'sentences' is not a whole number"),
+    ({"id": "s", "turns": [{**GOOD_TURN, "prefix": 7}]}, "'prefix' is missing or not a string"),
     ({"id": "a b", "turns": [GOOD_TURN]}, "the id is not"),
     ({"id": "s", "turns": [{"user": "\ud800", "answer": "1", "checker": "number"}]}, "lone surrogate"),
 ])
@@ -133,13 +154,44 @@ def test_validate_refuses_a_bad_session_file_in_one_line_and_writes_nothing(tmp_
         assert not out.exists()
 
 
+def test_depth_buckets_beyond_the_models_context_are_not_a_length_the_run_needs(tmp_path):
+    """The default buckets reach 32k; the builtin model reads 8k. Buckets say where turns are counted, so validate
+    accepts them (it refused every default session config on the builtin model)."""
+    proc = subprocess.run([sys.executable, "-m", "kveval", "validate", "configs/session.yaml", "-o",
+                           str(tmp_path / "o"), "-s", "tasks[0].session.depth_buckets=[1024,32768]"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_session_longer_than_the_models_context_is_refused_before_the_run_starts(tmp_path):
+    long = tmp_path / "long.jsonl"
+    turns = [{"user": "word " * 9000 + "What is 2 plus 2?", "answer": "4", "checker": "number"}]
+    long.write_text(json.dumps({"id": "long", "turns": turns}) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "kveval", "run", "configs/session.yaml", "-o", str(out), "-s",
+                           "kv=[int8]", "-s", f"tasks[0].session.sessions={long}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "session 'long' needs up to" in proc.stderr
+    assert "more than the model's context" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (out / "records.jsonl").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Decoding through the cache
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chat_llama64():
-    """tiny-llama in float64 with a ChatML template on a copy of its tokenizer (its own has none)."""
+    """tiny-llama in float64 with a ChatML template on a copy of its tokenizer (its own has none), its matrices
+    scaled to a spread of 0.2 (from 0.02) so that its greedy tokens depend on the input and a quantized cache
+    changes some of them (at 0.02 it answers one token to everything, and no policy's answer ever differs)."""
+    import torch
+
     model, tok = load_model("builtin:tiny-llama", dtype="float64")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(10.0)
     tok = copy.deepcopy(tok)
     tok.chat_template = CHATML
     return model, tok
@@ -210,6 +262,136 @@ def test_reuse_equals_reprefill_where_a_prefill_is_quantized_as_decoding_is(chat
     for sid in ("a", "b"):
         assert [t["tokens"] for t in recs[(sid, "reuse")]["turns"]] == \
             [t["tokens"] for t in recs[(sid, "reprefill")]["turns"]]
+
+
+HOOKED = ("vllm_fp8_fa3", "llamacpp_q4_0")  # transforms that hook the query or the attention output
+
+
+@pytest.mark.parametrize("name", ["int4_g32", "kivi2", "int2_g32", *HOOKED])
+def test_a_fork_holds_what_its_cache_held_and_shares_the_model(chat_llama64, name):
+    """QuantizedKVCache.fork: both go on independently (the trunk's logits are those of a cache never forked), the
+    fork decodes as a cache fed the same ids from the start, the attention modules are the model's (deepcopy copied
+    them, and a cache whose transforms hook the attention lost its hooks)."""
+    import torch
+
+    from kveval.tasks.session.conversation import Conversation
+
+    model, _ = chat_llama64
+    policy = KVPolicy.preset(name)
+    ids = list(range(5, 45))
+    trunk = Conversation.start(model, policy)
+    trunk.feed(ids[:30])
+    fork = trunk.fork()
+    assert all(a.module is b.module for a, b in zip(trunk.cache.layers, fork.cache.layers) if hasattr(a, "module"))
+    branch_logits = [fork.feed([t]) for t in (7, 8, 9)]
+    trunk_logits = [trunk.feed([t]) for t in ids[30:34]]
+    alone = Conversation.start(model, policy)
+    alone.feed(ids[:30])
+    assert all(torch.equal(a, alone.feed([t])) for a, t in zip(trunk_logits, ids[30:34]))
+    again = Conversation.start(model, policy)
+    again.feed(ids[:30])
+    assert all(torch.equal(a, again.feed([t])) for a, t in zip(branch_logits, (7, 8, 9)))
+
+
+@pytest.mark.parametrize("name", ["int4_g32", "kivi2", "int2_g32", *HOOKED])
+def test_fp_history_answers_are_those_of_separate_decodings_of_the_fp_history(chat_llama64, tmp_path, monkeypatch,
+                                                                              name):
+    """The baseline and fp_history decoded together (kveval.tasks.session.follow: the policy's answer read off the
+    teacher-forced trunk while it agrees with the FP answer, forked where it does not) give the answers and KLDs of
+    the plain algorithm: per turn, a fresh cache fed the FP conversation's calls up to the turn, then its own
+    greedy answer; the FP side as its own greedy decoding. float64, every policy family with a branch point."""
+    from kveval.tasks.session.conversation import Conversation, kld
+
+    model, tok = chat_llama64
+    params = Params(variants=["fp_history"], max_new_tokens=8, depth_buckets=[64, 256])
+    ctx = _ctx(model, tok, {name: KVPolicy.preset(name)}, tmp_path)
+    _run(ctx, params, _sessions(), monkeypatch)
+    recs = {(r["session"], r["policy"]): r for r in ctx.run.records()}
+    eos = {tok.eos_token_id}
+    diverged = 0
+    for session in _sessions():
+        fp = recs[(session.id, BASELINE)]["turns"]
+        mine = recs[(session.id, name)]["turns"]
+        trunk, fp_conv = Conversation.start(model, KVPolicy.preset(name)), Conversation.start(model, None)
+        for j, turn in enumerate(mine):
+            # the KLD along the FP answer: both caches teacher-forced on the FP conversation
+            klds = [kld(fp_conv.feed(fp[j]["fed"]), trunk.feed(fp[j]["fed"]))]
+            klds += [kld(fp_conv.feed([t]), trunk.feed([t])) for t in fp[j]["tokens"][:-1]]
+            assert (turn["kld_mean"], turn["kld_max"]) == (sum(klds) / len(klds), max(klds)), (session.id, j)
+            # the answer: a fresh cache fed the FP conversation's calls before turn j, then its own greedy tokens
+            conv = Conversation.start(model, KVPolicy.preset(name))
+            for earlier in fp[:j]:
+                for call in [earlier["fed"], *[[t] for t in earlier["tokens"][:-1]]]:
+                    conv.feed(call)
+            assert turn["tokens"] == conv.greedy(conv.feed(fp[j]["fed"]), params.max_new_tokens, eos), (session.id, j)
+            diverged += turn["tokens"] != fp[j]["tokens"]
+    if name in ("int2_g32", "int4_g32"):
+        assert diverged, "no answer left the FP answer: the fork was never exercised"
+
+
+#: the emulation contract across turns, per family of what a cache keeps (short windows, so that a session of the
+#: tiny model crosses their boundaries)
+CONTRACT = {
+    "per_token": "int4_g32",  # prefill: fp, every token quantized when stored
+    "kivi_blocks": {"key": {"preset": "int2_channel", "group_size": 16}, "value": "int2_g32", "residual": 16,
+                    "residual_mode": {"key": "block", "value": "sliding_lag"}},  # per-channel key blocks, FP window
+    "sinks": {"spec": "int2_g32", "sink_tokens": 4, "residual": 8, "residual_mode": "sliding"},
+    "rotation": "llamacpp_q4_0",  # Hadamard rotation hooks the query and output; prefill: quantized
+}
+
+
+@pytest.mark.parametrize("name", list(CONTRACT))
+def test_the_emulation_contract_holds_across_turns(chat_llama64, tmp_path, monkeypatch, name):
+    """The next-token distributions at every position of a session decoded through the real cache (each turn's
+    new ids one call onto the history, each answer token one call: the reuse variant's calls) equal those of one
+    emulated pass over the session's whole token sequence with the same call boundaries (emulate's prefill_len and
+    chunks), float64. Without the chunks the emulation reads later turns as if decoded token by token, which a
+    prefill: fp policy does not: the test sees the difference."""
+    import torch
+
+    from kveval.patch import QuantizedKVCache, cache_kwargs, emulate
+
+    model, tok = chat_llama64
+    cfg = CONTRACT[name]
+    policy = KVPolicy.preset(cfg) if isinstance(cfg, str) else KVPolicy.from_config(cfg, name)
+    params = Params(variants=["reuse"], max_new_tokens=6, depth_buckets=[64, 256])
+    ctx = _ctx(model, tok, {name: policy}, tmp_path)
+    _run(ctx, params, _sessions()[:1], monkeypatch)
+    turns = next(r for r in ctx.run.records() if r["policy"] == name)["turns"]
+    calls = [c for t in turns for c in [t["fed"], *[[x] for x in t["tokens"][:-1]]]]
+    cache = QuantizedKVCache(model, policy)
+    kw = cache_kwargs(model, cache)
+    real, pos = [], 0
+    with torch.no_grad():
+        for c in calls:
+            out = model(torch.tensor([c]), use_cache=True, position_ids=torch.arange(pos, pos + len(c))[None], **kw)
+            real.append(out.logits[0])
+            pos += len(c)
+    real_logits = torch.cat(real)
+    ids = torch.tensor([[x for c in calls for x in c]])
+    starts = [sum(len(c) for c in calls[:i]) for i in range(len(calls))]
+    chunks = [(a, a + len(c)) for a, c in zip(starts[1:], calls[1:]) if len(c) > 1]
+    assert len(chunks) == len(turns) - 1 and pos > 128  # every later turn one chunk; past the windows
+    with torch.no_grad(), emulate(model, policy, prefill_len=len(calls[0]), chunks=chunks):
+        emulated = model(ids).logits[0]
+    assert torch.allclose(real_logits, emulated, rtol=0, atol=1e-9), float((real_logits - emulated).abs().max())
+    # the ends of the calls give the recorded answers' first tokens (greedy)
+    ends = [a + len(c) - 1 for a, c in zip(starts, calls) if len(c) > 1]
+    assert [int(emulated[e].argmax()) for e in ends] == [t["tokens"][0] for t in turns]
+    if policy.prefill == "fp":
+        with torch.no_grad(), emulate(model, policy, prefill_len=len(calls[0])):
+            as_decoded = model(ids).logits[0]
+        assert not torch.allclose(real_logits, as_decoded, rtol=0, atol=1e-6)
+
+
+def test_emulate_refuses_chunks_that_are_not_rising_calls_after_the_prompt(chat_llama64):
+    from kveval.patch import emulate
+
+    model, _ = chat_llama64
+    for chunks in ([(3, 8)], [(10, 12), (11, 14)], [(12, 12)], [(20, 24), (12, 14)]):
+        with pytest.raises(ValueError, match="rising, non-overlapping"), \
+                emulate(model, KVPolicy.preset("int4_g32"), prefill_len=10, chunks=chunks):
+            pass
 
 
 def test_a_session_resumes_to_the_same_metrics(chat_llama64, tmp_path, monkeypatch):
@@ -304,7 +486,8 @@ def test_the_builtin_session_config_runs_and_reports(tmp_path):
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     keys = [json.loads(line)["key"] for line in (out / "records.jsonl").read_text().splitlines()]
-    assert keys == ["session/c0-0/baseline/fp", "session/c0-0/int8/reuse", "session/c0-0/int8/fp_history"]
+    # a session's baseline and fp_history runs are decoded together, then the reuse runs
+    assert keys == ["session/c0-0/baseline/fp", "session/c0-0/int8/fp_history", "session/c0-0/int8/reuse"]
     m = json.loads((out / "metrics.json").read_text())
     s = m["policies"]["int8"]["session"]
     assert set(s) == {"reuse", "fp_history"} and len(s["fp_history"]["kld_by_turn"]) == 7

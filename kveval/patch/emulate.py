@@ -57,6 +57,7 @@ diagnostics are kept per row (``Emulation.diagnostics(row=b)``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -85,14 +86,41 @@ PLAN_CACHE_BYTES = 64 * 2**20
 MASKS_PLANNED = 4
 
 
-def read_ends(schedule: Schedule, T: int, prefill_len: int) -> list[int]:
-    """Per query ``t < T``: tokens ``[sink_tokens, end)`` are read quantized by the call that decodes ``t`` (the
-    prefill call ``0 -> prefill_len`` for a prompt query, else ``t -> t + 1``), ``Schedule.read_quantized_end``.
-    Query ``t`` reads token ``j <= t`` in full precision iff ``j < sink_tokens`` or ``j >= end`` (or it is a prompt
-    query of a ``prefill: fp`` policy): ``Schedule.full_precision_mask`` row by row, without the ``[T, T]`` mask."""
+def calls_of(T: int, prefill_len: int, chunks: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """Per query ``t < T``, the forward call of the real cache that brings it: ``(start, end)`` token positions.
+    The prompt ``[0, prefill_len)`` is the first call, each of ``chunks`` (later multi-token calls: a session's
+    turns) is one, every other token is a call of its own (``t -> t + 1``)."""
+    calls = [(0, prefill_len) if t < prefill_len else (t, t + 1) for t in range(T)]
+    for start, end in chunks:
+        for t in range(max(start, 0), min(end, T)):
+            calls[t] = (start, end)
+    return calls
+
+
+def read_ends(schedule: Schedule, T: int, prefill_len: int, chunks: Sequence[tuple[int, int]] = (),
+              own_fp: bool = False) -> list[int]:
+    """Per query ``t < T``: tokens ``[sink_tokens, end)`` are read quantized by the call that brings ``t``
+    (:func:`calls_of`), ``Schedule.read_quantized_end``. Query ``t`` reads token ``j <= t`` in full precision iff
+    ``j < sink_tokens`` or ``j >= end`` (or ``j`` is in ``t``'s own multi-token call under a ``prefill: fp``
+    policy, ``own_fp``): ``Schedule.full_precision_mask`` row by row, without the ``[T, T]`` mask. Such a call
+    reads the tokens before it as the cache held them before the call (``Schedule.quantized_end`` of its start,
+    in every mode: what it stores is read in full precision)."""
     prompt = max(prefill_len, 1)
-    in_prompt = schedule.read_quantized_end(0, prefill_len, prompt) if prefill_len > 0 else 0
-    return [in_prompt if t < prefill_len else schedule.read_quantized_end(t, t + 1, prompt) for t in range(T)]
+    return [schedule.quantized_end(a, prompt) if own_fp and b - a > 1 else schedule.read_quantized_end(a, b, prompt)
+            for a, b in calls_of(T, prefill_len, chunks)]
+
+
+def check_chunks(chunks: Sequence[tuple[int, int]], prefill_len: int) -> tuple[tuple[int, int], ...]:
+    """``chunks`` as a tuple, checked: rising, non-overlapping ``(start, end)`` ranges of at least one token after
+    the prompt (a ``ValueError`` otherwise)."""
+    out = tuple((int(a), int(b)) for a, b in chunks)
+    last = max(prefill_len, 1) if out else 0
+    for a, b in out:
+        if a < last or b <= a:
+            raise ValueError(f"chunks must be rising, non-overlapping (start, end) ranges after the prompt of "
+                             f"{prefill_len} tokens; got {list(out)}")
+        last = b
+    return out
 
 
 def quantized_version(x: torch.Tensor, quantizer: TensorQuantizer, schedule: Schedule, rope=None,
@@ -134,20 +162,30 @@ class QueryVersions:
     implementation: str
     prefill_len: int
     mask_cache: dict
+    chunks: tuple[tuple[int, int], ...]
+
+    def reads_full_precision(self) -> bool:
+        """Whether any query reads any token in full precision (else every read is quantized): the policy's sinks
+        or window, or a multi-token call (the prompt, a chunk) whose own tokens a ``prefill: fp`` policy reads in
+        full precision."""
+        own = self.policy.prefill == "fp" and any(b - a > 1 for a, b in self.chunks)
+        return own or self.policy.has_full_precision_tokens(self.prefill_len)
 
     def read_thresholds(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``(end_k, end_v, fp_query)``, each ``[T]``: per query, where the quantized keys (values) it reads end
-        (``read_ends``; ``end_v`` None when the values share the keys' schedule) and whether it reads everything in
-        full precision (a prompt query with ``prefill: fp``). Cached per length for the layers of one call."""
+        """``(end_k, end_v, own_from)``, each ``[T]``: per query, where the quantized keys (values) it reads end
+        (``read_ends``; ``end_v`` None when the values share the keys' schedule) and the first token it reads in
+        full precision as part of its own call (the call's start for a multi-token call under ``prefill: fp``: the
+        prompt's queries read everything so; ``T`` otherwise). Cached per length for the layers of one call."""
         key = (T, str(device))
         if key not in self.mask_cache:
             self.mask_cache.clear()
             pol, P = self.policy, self.prefill_len
-            ends = {kind: torch.tensor(read_ends(pol.schedule(kind), T, P), device=device)
+            own_fp = pol.prefill == "fp"
+            ends = {kind: torch.tensor(read_ends(pol.schedule(kind), T, P, self.chunks, own_fp), device=device)
                     for kind in ("key", "value")}
             end_v = ends["value"] if pol.split_modes and pol.schedule("value") != pol.schedule("key") else None
-            fp_query = torch.arange(T, device=device) < (P if pol.prefill == "fp" else 0)
-            self.mask_cache[key] = (ends["key"], end_v, fp_query)
+            own = [a if pol.prefill == "fp" and b - a > 1 else T for a, b in calls_of(T, P, self.chunks)]
+            self.mask_cache[key] = (ends["key"], end_v, torch.tensor(own, device=device, dtype=torch.long))
         return self.mask_cache[key]
 
     def full_precision_rows(self, T: int, start: int, stop: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -155,10 +193,10 @@ class QueryVersions:
         ``[start, stop)`` reads token ``j < stop``'s key (value) in full precision (rows ``start..stop-1`` of
         ``KVPolicy.full_precision_mask``, columns ``0..stop-1``; entries ``j > t`` are not causal-masked here);
         ``Mv`` None when the values share the keys' schedule."""
-        end_k, end_v, fp_query = self.read_thresholds(T, device)
+        end_k, end_v, own_from = self.read_thresholds(T, device)
         j = torch.arange(stop, device=device)[None, :]
         sinks = j < self.policy.sink_tokens
-        everything = fp_query[start:stop, None]
+        everything = j >= own_from[start:stop, None]
         mk = sinks | (j >= end_k[start:stop, None]) | everything
         if end_v is None:
             return mk, None
@@ -244,6 +282,7 @@ class LayerEmulation(QueryVersions):
     prefill_len: int = 0
     diagnostics: bool = False
     calls: int = 0
+    chunks: tuple[tuple[int, int], ...] = ()  # later multi-token calls (``emulate``'s ``chunks``)
     #: diagnostics per batch row (one entry per row of the largest batch seen): row ``b`` holds exactly what a
     #: batch of that row alone would hold, so a batch of windows reports each window's own statistics
     key_rows: list[TensorErrorStats] = field(default_factory=list)
@@ -300,7 +339,7 @@ class LayerEmulation(QueryVersions):
         p_hat = quantized_version(k_pe, self.value_q, pol.schedule("value"), prompt=prompt)
         if self.diagnostics:
             self._update_stats(c_kv, c_hat, k_pe, p_hat)
-        if not pol.has_full_precision_tokens(self.prefill_len):
+        if not self.reads_full_precision():
             return expand_kv(c_hat, p_hat)
         return expand_kv(torch.cat([c_kv, c_hat], dim=-2), torch.cat([k_pe, p_hat], dim=-2))
 
@@ -355,7 +394,7 @@ class LayerEmulation(QueryVersions):
         policy's schedule says; (output, weights)."""
         T = key.shape[-2]
         pol = self.policy
-        if not pol.has_full_precision_tokens(self.prefill_len):
+        if not self.reads_full_precision():
             return self._one_version(compute, module, query, k_hat, v_hat, attention_mask, *args, **kwargs)
         # with an FP prefill, the P prompt queries see only full-precision keys: they run the model's own attention
         # over the prompt (its mask, or none: causal) and only the decoded queries attend over [k ; k̂]
@@ -469,11 +508,15 @@ class Emulation:
 
 
 @contextmanager
-def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool = False):
+def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, chunks: Sequence[tuple[int, int]] = (),
+            diagnostics: bool = False):
     """Patch ``model`` so that a forward pass over whole sequences emulates ``policy``'s quantized cache.
 
     ``prefill_len``: how many leading tokens form the prompt (``policy.prefill`` decides whether prompt queries
-    see the prompt in full precision); 0 means every token is decoded one at a time (perplexity). The model is
+    see the prompt in full precision); 0 means every token is decoded one at a time (perplexity). ``chunks``:
+    later calls that bring several tokens at once, ``(start, end)`` ranges after the prompt (a session's later
+    turns, each prefilled onto the history; ``policy.prefill`` decides whether their queries read their own
+    call's tokens in full precision); every other token is decoded alone. The model is
     restored on exit, also after an exception. Raises ``KvevalError`` if the model's attention cannot be patched,
     and ``RuntimeError`` if a forward pass bypasses a patched layer (never a silent full-precision run).
     """
@@ -481,8 +524,9 @@ def emulate(model, policy: KVPolicy, *, prefill_len: int = 0, diagnostics: bool 
     base = attn.base_implementation(model)
     latent = mq.mla and policy.mla == "latent"
     masks: dict = {}
+    calls = check_chunks(chunks, prefill_len)
     states = [LayerEmulation(i, k_q, v_q, policy, base, prefill_len=prefill_len, diagnostics=diagnostics,
-                             mask_cache=masks, latent=latent)
+                             mask_cache=masks, latent=latent, chunks=calls)
               for i, (k_q, v_q) in mq.quantizers.items()]
     modules = [mq.modules[s.layer_idx] for s in states]
 

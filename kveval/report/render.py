@@ -59,12 +59,41 @@ def build(runs: list[RunResults], out: Path) -> list[Block]:
         if fig is not None:
             blocks.append(_img(fig, out, "all_runs_quality_vs_memory", CAPTIONS["quality_vs_memory"]
                                + " Colour and marker: run.", alt="Quality vs memory, all runs"))
+        blocks.extend(_machine_blocks(runs))
     for r in runs:
         blocks.extend(_run_blocks(r, out, prefix=f"{_slug(r.name)}_" if multi else "", level=2 if multi else 1))
     blocks.append(Block("h", "Tables", 2))
     blocks.append(Block("p", "CSV files beside this report: " + ", ".join(f"tables/{p.name}" for p in csvs.values())
                         + " (one row per policy, per position bin, per layer...; a run column first)."))
     return blocks
+
+
+def _machine_blocks(runs: list[RunResults]) -> list[Block]:
+    """Runs of the same inputs (:func:`kveval.report.machines.same_inputs`), each against the first of them: what
+    their machines were and which differences the runs resolve (:mod:`kveval.report.machines`)."""
+    from kveval.report import machines
+
+    b: list[Block] = []
+    for i, first in enumerate(runs):
+        if any(machines.same_inputs(earlier, first) for earlier in runs[:i]):
+            continue  # compared against an earlier run already
+        twins = [r for r in runs[i + 1:] if machines.same_inputs(first, r)]
+        for other in twins:
+            rows = machines.difference_rows(first, other)
+            if not rows:
+                continue
+            beyond = [f"{r['policy']} {r['metric']}" for r in rows if r["within"] == "no"]
+            b.append(Block("h", f"Same config: {first.name} and {other.name}", 2))
+            b.append(Block("p", f"{first.name} and {other.name} ran the same config on the same tokens. A difference "
+                                "is within noise when it is at most what the runs resolve (1.96 x the root sum of "
+                                "squares of their standard uncertainties) or their path noise floor, whichever is "
+                                "larger. " + (f"Beyond it: {', '.join(beyond)} (a machine-dependent result: "
+                                              "docs/findings.md)." if beyond else
+                                              "Every difference is within noise.")))
+            b.append(Block("table", pd.DataFrame(machines.machine_rows([first, other])),
+                           caption="The machines (env.json)"))
+            b.append(Block("table", pd.DataFrame(rows), caption="Differences (second minus first)"))
+    return b
 
 
 def _run_blocks(r: RunResults, out: Path, prefix: str, level: int) -> list[Block]:

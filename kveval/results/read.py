@@ -31,7 +31,15 @@ import yaml
 
 from kveval.errors import KvevalError
 from kveval.fileio import scan_jsonl
-from kveval.results.layout import BASELINE, CONFIG_FILE, ENV_FILE, METRICS_FILE, RECORDS_FILE, TASK_ENTRIES
+from kveval.results.layout import (
+    BASELINE,
+    CONFIG_FILE,
+    ENV_FILE,
+    MARKER_FILE,
+    METRICS_FILE,
+    RECORDS_FILE,
+    TASK_ENTRIES,
+)
 
 log = logging.getLogger(__name__)
 #: what reading an old or foreign run's policy or shape back can raise: a config line (KvevalError), a spec
@@ -94,7 +102,8 @@ class RunResults:
       ``res.sensitivity``; their columns are in each task's ``reporting.py``), empty frames when the run has none.
     * ``memory``: the memory bill per policy at ``context`` tokens, bytes of ``codes``, ``scales`` (zero points
       included) and ``residual`` (full precision), when the model's shape is known, else empty.
-    * ``records``: ``records.jsonl`` as a DataFrame; ``config``, ``env``, ``metrics``: the raw documents.
+    * ``records``: ``records.jsonl`` as a DataFrame; ``config``, ``env``, ``metrics``, ``marker`` (the run
+      folder's ``.kveval-run.json``: the digests of what it read): the raw documents.
     * ``task_entries``: the later entries of a kind already in the config (a second perplexity task: its metrics
       are under ``metrics["tasks"]["tasks[1]"]``, never mixed with the first's), one row per (entry, policy) with
       the columns of ``summary`` plus ``task`` (the label, ``tasks[1]``) and ``kind`` (``TASK_ENTRY_COLUMNS``);
@@ -111,6 +120,7 @@ class RunResults:
     layers: pd.DataFrame
     memory: pd.DataFrame
     records: pd.DataFrame = field(repr=False)
+    marker: dict = field(default_factory=dict, repr=False)
     task_entries: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=TASK_ENTRY_COLUMNS), repr=False)
     tables: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
 
@@ -222,6 +232,14 @@ def read_env(run_dir: str | Path) -> dict:
     path = Path(run_dir) / ENV_FILE
     env = _read_json(path) if os.path.lexists(path) else {}
     return env if isinstance(env, dict) else {}
+
+
+def read_marker(run_dir: str | Path) -> dict:
+    """``.kveval-run.json`` of a run folder (what the run read: the evaluated tokens' digest, the input files');
+    ``{}`` when absent (or not a mapping); KvevalError (one line) when it is not a readable file of valid JSON."""
+    path = Path(run_dir) / MARKER_FILE
+    marker = _read_json(path) if os.path.lexists(path) else {}
+    return marker if isinstance(marker, dict) else {}
 
 
 def read_records(run_dir: str | Path) -> list[dict]:
@@ -442,12 +460,13 @@ def load(run_dir: str | Path, task_columns: Sequence[str] = (), task_tables: Tas
     metrics = read_metrics(path)
     config = read_config(path)
     env = read_env(path)
+    marker = read_marker(path)
     records = read_records(path)
     try:
         name = str(metrics.get("run") or config.get("name") or path.name)
         memory = _memory(name, metrics, config)
         return RunResults(
-            path=path, name=name, metrics=metrics, config=config, env=env,
+            path=path, name=name, metrics=metrics, config=config, env=env, marker=marker,
             summary=_summary(name, metrics, config, memory, task_columns), positions=_positions(name, metrics),
             layers=_layers(name, metrics), memory=memory, records=pd.DataFrame(records),
             task_entries=_task_entries(name, metrics, config, memory, task_columns),
@@ -459,6 +478,6 @@ def load(run_dir: str | Path, task_columns: Sequence[str] = (), task_tables: Tas
                           "config to rebuild it") from None
 
 
-__all__ = ["BASELINE", "RunResults", "load", "read_metrics", "read_config", "read_env", "read_records",
+__all__ = ["BASELINE", "RunResults", "load", "read_metrics", "read_config", "read_env", "read_marker", "read_records",
            "describe_policy", "SUMMARY_COLUMNS", "POSITION_COLUMNS", "TASK_ENTRY_COLUMNS", "summary_columns",
            "task_entry_columns"]

@@ -80,3 +80,33 @@ def test_a_folder_made_before_inputs_were_recorded_adopts_them(h, tmp_path):
     marker_path.write_text(json.dumps(marker))
     assert h.invoke("run", config, "--quiet").exit_code == 0
     assert "inputs" in json.loads(marker_path.read_text())
+
+
+def test_a_plan_file_edited_in_place_is_not_resumed(h, tmp_path):
+    from test_inputs_plan import _scan
+
+    planned = h.invoke("plan", _scan(tmp_path / "scan"), "--budget", "int4_g32", "-o", tmp_path / "gen" / "p.yaml")
+    assert planned.exit_code == 0, planned.output
+    config, side = tmp_path / "gen" / "p.yaml", tmp_path / "gen" / "p.plan.json"
+    out = tmp_path / "run"
+    first = h.invoke("run", config, "-s", f"output={out}", "-s", "tasks[0].perplexity.max_tokens=96", "--quiet")
+    assert first.exit_code == 0, first.output
+    assert json.loads((out / MARKER_FILE).read_text())["inputs"]["plan"]["path"] == str(side)
+    data = json.loads(side.read_text())
+    data["predicted_kld_sum"] = float(data["predicted_kld_sum"]) * 2  # valid, and another plan's prediction
+    side.write_text(json.dumps(data))
+    h.assert_user_error(h.invoke("run", config, "-s", f"output={out}", "-s", "tasks[0].perplexity.max_tokens=96",
+                                 "--quiet"), str(side), "changed", "--overwrite")
+
+
+def test_a_session_file_edited_in_place_is_not_resumed(h, tmp_path):
+    sessions = tmp_path / "s.jsonl"
+    turn = {"user": "What is 2 plus 2?", "answer": "4", "checker": "number"}
+    sessions.write_text(json.dumps({"id": "s1", "turns": [turn]}) + "\n")
+    raw = {"name": "s", "model": "builtin:smollm2-135m", "data": "builtin", "kv": ["int8"],
+           "output": str(tmp_path / "out"), "tasks": [{"session": {"sessions": str(sessions), "max_new_tokens": 2}}]}
+    config = h.write_config(tmp_path / "c.yaml", raw)
+    first = h.invoke("run", config, "--quiet")
+    assert first.exit_code == 0, first.output
+    sessions.write_text(json.dumps({"id": "s1", "turns": [{**turn, "answer": "5"}]}) + "\n")  # same id, new answer
+    h.assert_user_error(h.invoke("run", config, "--quiet"), str(sessions), "tasks[0].session.sessions", "changed")

@@ -5,6 +5,7 @@ the logits of decoding through it token by token (``decode_logits``)."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Sequence
 
@@ -139,6 +140,19 @@ class QuantizedKVCache(Cache):
             attn.patched_while_passed(model, attending, self)
         if left_padding is None:
             self._watch_first_mask(model)
+
+    def fork(self, model) -> QuantizedKVCache:
+        """An independent copy of what this cache holds, for the same ``model`` (a conversation branched at this
+        point: updates of either leave the other alone). The model's modules, parameters and buffers are shared,
+        not copied; a cache whose transforms hook the attention gets hooks of its own (``copy.deepcopy`` would
+        copy the attention modules and leave the copy without hooks)."""
+        memo: dict[int, object] = {id(m): m for m in model.modules()}
+        memo.update({id(t): t for t in (*model.parameters(), *model.buffers())})
+        twin = copy.deepcopy(self, memo)
+        attending = {la.module: la for la in twin.layers if isinstance(la, QuantizedKVLayer) and la.implementation}
+        if attending:
+            attn.patched_while_passed(model, attending, twin)
+        return twin
 
     def _watch_first_mask(self, model) -> None:
         """Read the left padding from the ``attention_mask`` of the first forward call of ``model`` that receives

@@ -7,7 +7,8 @@ Per run (the baseline, and each policy x variant under ``policies.<name>.session
   ``depth_area``: the mean accuracy over the buckets that hold turns (MRCR's area under the accuracy-by-length
   curve, normalised to 0..1);
 - ``tool``: over the tool-call turns, the shares that parse as JSON, match the schema and have exact arguments,
-  overall and ``by_depth``; ``persistence``: per turn, the share of answers that kept the system prompt's suffix;
+  overall and ``by_depth``; ``persistence``: per turn, the share of answers that kept the system prompt's
+  instruction (its suffix, its most sentences);
 - ``survival``: per turn t, the share of sessions with no failed turn up to t (``first_failure``: per session,
   the first failed turn or None);
 - policies add ``recovery`` (accuracy / the baseline's, %), ``drop`` (points lost, paired on the same turns),

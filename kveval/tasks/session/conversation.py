@@ -9,8 +9,9 @@ tokens the model read and wrote before it, every earlier answer as the model gen
 :class:`Conversation` holds one cache (the FP model's ``DynamicCache``, or a policy's real ``QuantizedKVCache``)
 and the ids it holds: :meth:`~Conversation.feed` appends ids in one forward call (a turn's new tokens are one
 prefill chunk onto the history, treated as the policy's preset says its engine treats a prefill), and
-:meth:`~Conversation.greedy` decodes an answer one token a step. ``copy.deepcopy`` of a conversation branches it
-(the ``fp_history`` variant decodes the policy's answer on a branch and feeds the FP model's answer to the trunk).
+:meth:`~Conversation.greedy` decodes an answer one token a step. :meth:`~Conversation.fork` branches it (its own
+copy of the cache, the model shared): the ``fp_history`` variant decodes the policy's answer on a branch and feeds
+the FP model's answer to the trunk (:mod:`kveval.tasks.session.follow`).
 
 NaN or infinity in the logits stops the run with one line naming the session and turn
 (:mod:`kveval.tasks.common.finite`).
@@ -18,6 +19,7 @@ NaN or infinity in the logits stops the run with one line naming the session and
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +28,7 @@ from kveval.errors import KvevalError
 from kveval.tasks.common.finite import check_finite_logits, finite_quantizer_inputs, quantized_by
 from kveval.tasks.common.prompts import encode
 from kveval.tasks.common.teacher import accepts, log_probs
-from kveval.tasks.session.sessions import DOCUMENT, Session
+from kveval.tasks.session.sessions import DOCUMENT, Session, score_turn
 
 #: what stands for an answer while the template is rendered (replaced by the model's own tokens)
 _ANSWER = "<<<KVEVAL-ANSWER>>>"
@@ -118,6 +120,11 @@ class Conversation:
         self.ids.extend(ids)
         return logits
 
+    def fork(self) -> Conversation:
+        """A branch of this conversation: its own copy of the cache and ids (the model shared, never copied)."""
+        cache = copy.deepcopy(self.cache) if self.policy is None else self.cache.fork(self.model)
+        return Conversation(self.model, cache, self.policy, self.where, list(self.ids))
+
     def greedy(self, logits: torch.Tensor, max_new_tokens: int, eos_ids: set[int], *, at: str = "") -> list[int]:
         """Greedy tokens from ``logits`` (the last fed position's): up to and including the first end-of-sequence
         id, at most ``max_new_tokens``. Every token but the last is fed (the last is the next turn's first)."""
@@ -131,10 +138,36 @@ class Conversation:
         return tokens
 
 
+def ended_at_eos(tokenizer, tokens: list[int], eos: set[int]) -> str | None:
+    """The text of the end-of-sequence token an answer ended with, None when it ran out of tokens."""
+    return tokenizer.decode([tokens[-1]]) if tokens and tokens[-1] in eos else None
+
+
+def turn_ids(tokenizer, session: Session, j: int, previous: list[int] | None, eos: set[int]) -> list[int]:
+    """The new ids of turn ``j``: the first turn's (:func:`first_turn_ids`), or those after the previous answer's
+    tokens ``previous`` (:func:`next_turn_ids`), then the turn's answer prefix."""
+    turn = session.turns[j]
+    ids = first_turn_ids(tokenizer, session) if j == 0 else next_turn_ids(
+        tokenizer, session, turn.user, ended_at_eos(tokenizer, previous or [], eos))
+    return ids + (encode(tokenizer, turn.prefix) if turn.prefix else [])
+
+
+def turn_record(tokenizer, session: Session, j: int, fed: list[int], tokens: list[int], depth: int,
+                answers: list[str]) -> dict:
+    """One turn's part of a record: the ids fed (the turn's prefix last), the generated ids and their text, the
+    history depth (the ids before ``fed``'s new ones), the scores (``answers``: the conversation's earlier
+    generated texts, for ``own_number``)."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    scores = score_turn(session.turns[j], text, answers, suffix=session.suffix, sentences=session.sentences)
+    return {"turn": j, "kind": session.turns[j].kind, "depth": depth, "fed": fed, "tokens": tokens, "text": text,
+            **scores}
+
+
 def kld(fp_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """KL(P_fp || P) in nats of two next-token logits ``[vocab]`` (float64 sum of float32 log-softmaxes)."""
     a, b = log_probs(fp_logits), log_probs(logits)
     return float((a.exp() * (a - b)).sum())
 
 
-__all__ = ["Conversation", "check_chat_template", "first_turn_ids", "first_user_text", "kld", "next_turn_ids"]
+__all__ = ["Conversation", "check_chat_template", "ended_at_eos", "first_turn_ids", "first_user_text", "kld",
+           "next_turn_ids", "turn_ids", "turn_record"]

@@ -24,7 +24,7 @@ class Params(Strict):
     depth_buckets: list[int] = Field(default_factory=lambda: [256, 512, 1024, 2048, 4096, 8192, 16384, 32768],
                                      min_length=1)  # upper edges (tokens of history before a turn)
     max_drop: float = Field(5.0, gt=0, le=100)  # accuracy points a policy may lose before it fails
-    examples: int = Field(3, ge=0, le=100)  # earliest failing turns shown side by side in the report
+    examples: int = Field(2, ge=0, le=100)  # per policy and variant: earliest failing turns shown in the report
 
     def input_files(self) -> dict[str, str]:
         """The files this task reads (:func:`kveval.config.input_files`: the run folder records their digests and
@@ -35,6 +35,13 @@ class Params(Strict):
     def seq_len(self) -> int:
         """The memory bill's context: the deepest history bucket a session is scored at."""
         return max(self.depth_buckets)
+
+    @property
+    def context_needed(self) -> tuple[int, str]:
+        """(tokens of context the config alone proves a run needs, the field): one answer. The buckets are where
+        turns are counted, not a length a run needs; a session's own length (its turns through the chat template,
+        its answers) is the task's check once the tokenizer is loaded."""
+        return self.max_new_tokens, "max_new_tokens"
 
 
 def check_inputs(params: Params, *, allow_code: bool) -> None:

@@ -92,23 +92,25 @@ def _depth_figure(res: RunResults, out: Path, prefix: str) -> Path | None:
 
 
 def _examples(res: RunResults, limit: int) -> pd.DataFrame:
-    """The earliest failing turns of policies where the FP model answered correctly: both answers side by side."""
+    """Per policy and variant, its ``limit`` earliest failing turns (one per session) where the FP model answered
+    correctly: both answers side by side."""
     records = read_records(res.path) if getattr(res, "path", None) else []
     fp = {(r["session"], t["turn"]): t for r in records if r.get("task") == NAME and r.get("policy") == BASELINE
           for t in r["turns"]}
-    rows = []
+    by_run: dict[tuple[str, str], list[dict]] = {}
     for r in records:
         if r.get("task") != NAME or r.get("policy") == BASELINE:
             continue
         for t in r["turns"]:
             f = fp.get((r["session"], t["turn"]))
             if f and f.get("correct") and not t.get("correct"):
-                rows.append({"policy": r["policy"], "variant": r["variant"], "session": r["session"],
-                             "turn": t["turn"], "kind": t.get("kind"), "expected": t.get("expected"),
-                             "FP answer": str(f.get("text", ""))[:160], "policy answer": str(t.get("text", ""))[:160]})
+                by_run.setdefault((r["policy"], r["variant"]), []).append(
+                    {"policy": r["policy"], "variant": r["variant"], "session": r["session"], "turn": t["turn"],
+                     "kind": t.get("kind"), "expected": t.get("expected"),
+                     "FP answer": str(f.get("text", ""))[:160], "policy answer": str(t.get("text", ""))[:160]})
                 break
-    rows.sort(key=lambda x: (x["turn"], x["policy"]))
-    return pd.DataFrame(rows[:limit])
+    rows = [row for found in by_run.values() for row in sorted(found, key=lambda x: x["turn"])[:limit]]
+    return pd.DataFrame(rows)
 
 
 def section(res: RunResults, out: Path, prefix: str, level: int) -> list[Block]:
@@ -127,17 +129,20 @@ def section(res: RunResults, out: Path, prefix: str, level: int) -> list[Block]:
         shown[col] = [format_number(100 * v, ".1f") if is_number(v) else "" for v in shown[col]]
     for col in ("recovery", "drop", "drop_mde"):
         shown[col] = [format_number(v, ".1f") if is_number(v) else "" for v in shown[col]]
+    shown["effective_depth"] = ["" if p == BASELINE else f"{int(v)}" if is_number(v) else "none"
+                                for p, v in zip(shown["policy"], shown["effective_depth"])]
     for col in ("kld_first_turn", "kld_last_turn"):
         shown[col] = [format_number(v, ".4f") if is_number(v) else "" for v in shown[col]]
     blocks.append(Block("table", shown, caption="Accuracy, depth area and tool-call validity in %; drop in points "
                                                 "(paired on the same turns) with the smallest drop the run detects "
-                                                "(MDE); effective depth: the deepest bucket within max_drop of FP; "
+                                                "(MDE); effective depth: the deepest bucket (tokens) up to which every "
+                                                "bucket is within max_drop of FP (none: not even the first); "
                                                 "KLD along the FP answers (fp_history). tables/session.csv"))
     limit = max((int(p.get("examples", 3)) for p in res.task_params(NAME)), default=3)
     examples = _examples(res, limit)
     if not examples.empty:
-        blocks.append(Block("table", examples, caption="The earliest turns a policy failed where the FP model "
-                                                       "answered correctly: both answers."))
+        blocks.append(Block("table", examples, caption="Per policy and variant, the earliest turns it failed "
+                                                       "where the FP model answered correctly: both answers."))
     return blocks
 
 

@@ -40,8 +40,8 @@ from kveval.errors import KvevalError
 
 TURN_KINDS = ("retrieve_context", "remember_user", "tool_call", "retrieve_user", "arithmetic", "recall_own")
 CHECKERS = ("number", "contains", "exact", "json_tool", "own_number")
-SESSION_FIELDS = ("id", "system", "suffix", "context", "turns")
-TURN_FIELDS = ("user", "answer", "checker", "name", "arguments", "schema", "own_from", "kind")
+SESSION_FIELDS = ("id", "system", "suffix", "sentences", "context", "turns")
+TURN_FIELDS = ("user", "prefix", "answer", "checker", "name", "arguments", "schema", "own_from", "kind")
 #: the most sessions, turns per session and bytes of a session file kveval reads
 MAX_SESSIONS, MAX_TURNS, MAX_FILE_BYTES = 10_000, 200, 64 * 2**20
 #: where a document goes in the first user turn
@@ -51,8 +51,11 @@ _INTEGER = re.compile(r"-?\d{1,18}")
 #: the most characters of an answer searched for a JSON object (an answer is at most max_new_tokens tokens)
 MAX_JSON_SCAN = 20_000
 
-SYSTEM = "You are a helpful assistant. End every answer with the word Done."
-SUFFIX = "Done."
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+#: what the builtin system prompt asks of every answer: at most this many sentences
+SENTENCES = 1
+#: the most sentences a session may ask for
+MAX_SENTENCES = 1000
 COLORS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
 CITIES = ("Paris", "Berlin", "Madrid", "Rome", "Vienna", "Lisbon", "Prague", "Dublin", "Oslo", "Warsaw")
 TOOL_SCHEMA: dict[str, Any] = {
@@ -68,12 +71,15 @@ TOOL_SCHEMA: dict[str, Any] = {
 class Turn:
     """One user turn and how its answer is checked. ``answer``: the expected text (None for ``own_number``, whose
     answer is the model's own earlier one, and ``json_tool``, checked by ``name``/``arguments``); ``kind``: a
-    builtin kind of :data:`TURN_KINDS`, or ``"jsonl"``."""
+    builtin kind of :data:`TURN_KINDS`, or ``"jsonl"``. ``prefix``: the start of the assistant's answer, fed with
+    the turn's ids (an assistant prefill, as ``continue_final_message`` and guided decoding start an answer);
+    the checker reads the prefix and the generated text together."""
 
     user: str
     checker: str
     answer: str | None = None
     kind: str = "jsonl"
+    prefix: str = ""
     name: str | None = None
     arguments: dict | None = None
     schema: dict | None = None
@@ -82,14 +88,15 @@ class Turn:
 
 @dataclass(frozen=True)
 class Session:
-    """A session: ``id`` (part of record keys), ``system`` prompt, the ``suffix`` every answer must end with
-    (None: not checked), ``context`` (a document put before the first user turn's text; "" for none) and the
-    turns."""
+    """A session: ``id`` (part of record keys), ``system`` prompt, the ``suffix`` every answer must end with and
+    the most ``sentences`` it may have (instruction persistence; None: not checked), ``context`` (a document put
+    before the first user turn's text; "" for none) and the turns."""
 
     id: str
     system: str
     turns: tuple[Turn, ...]
     suffix: str | None = None
+    sentences: int | None = None
     context: str = ""
     meta: dict = field(default_factory=dict, compare=False)
 
@@ -119,26 +126,29 @@ def _builtin_session(sid: str, rng: random.Random, filler: list[str], size: int)
     for fact in facts:  # each fact at a random place of the document
         body.insert(rng.randrange(len(body) + 1), fact)
     asked = rng.randrange(len(colors))
-    locker = rng.randrange(10, 90)
-    plus = rng.randrange(2, 10)
     other = (asked + 1) % len(colors)
+    locker = rng.randrange(10, 90)
+    desk, room = rng.sample([d for d in range(10, 90) if d != locker], 2)
+    apples, bought = rng.randrange(2, 9), rng.randrange(2, 9)
+    code = "The code is "
     turns = (
-        Turn(f"{DOCUMENT}\n\nWhat code does the {colors[asked]} box hold? Answer with the number.", "number",
-             str(codes[asked]), kind="retrieve_context"),
-        Turn(f"My locker number is {locker}. What is my locker number?", "number", str(locker),
-             kind="remember_user"),
-        Turn(f"What code does the {colors[other]} box hold? Answer with the number.", "number", str(codes[other]),
-             kind="retrieve_context"),
-        Turn("Call the tool get_weather for the city where the team meeting takes place. Reply with only a JSON "
-             'object like {"name": "get_weather", "arguments": {"city": "..."}}.', "json_tool", kind="tool_call",
-             name="get_weather", arguments={"city": city}, schema=TOOL_SCHEMA),
-        Turn("What was my locker number? Answer with the number.", "number", str(locker), kind="retrieve_user"),
-        Turn(f"What is my locker number plus {plus}? Answer with the number.", "number", str(locker + plus),
-             kind="arithmetic"),
-        Turn("Which number did you give in your first answer? Answer with the number.", "own_number",
-             kind="recall_own", own_from=0),
+        Turn(f"{DOCUMENT}\n\nWhat code does the {colors[asked]} box hold?", "number", str(codes[asked]),
+             kind="retrieve_context", prefix=code),
+        Turn(f"My locker number is {locker}, my desk number is {desk} and my room number is {room}. What is my "
+             "desk number?", "number", str(desk), kind="remember_user", prefix="It is "),
+        Turn("Call the tool get_weather for the city where the team meeting takes place.", "json_tool",
+             kind="tool_call", name="get_weather", arguments={"city": city}, schema=TOOL_SCHEMA,
+             prefix='{"name": "get_weather", "arguments": {"city": "'),
+        Turn(f"What code does the {colors[other]} box hold?", "number", str(codes[other]), kind="retrieve_context",
+             prefix=code),
+        Turn(f"I have {apples} apples and buy {bought} more. How many apples do I have now?", "number",
+             str(apples + bought), kind="arithmetic", prefix=f"{apples} + {bought} = "),
+        Turn("What was my locker number?", "number", str(locker), kind="retrieve_user",
+             prefix="Your locker number is "),
+        Turn("Which code did you give in your first answer?", "own_number", kind="recall_own", own_from=0,
+             prefix="In my first answer I gave the code "),
     )
-    return Session(id=sid, system=SYSTEM, turns=turns, suffix=SUFFIX, context=" ".join(body),
+    return Session(id=sid, system=SYSTEM, turns=turns, sentences=SENTENCES, context=" ".join(body),
                    meta={"context_sentences": size})
 
 
@@ -200,16 +210,43 @@ def check_tool_call(text: str, turn: Turn) -> dict[str, bool]:
     return {"parsed": parsed, "schema": bool(valid), "exact": bool(exact)}
 
 
-def score_turn(turn: Turn, text: str, suffix: str | None, own_answers: list[str]) -> dict:
-    """The scores of one answer: ``correct`` (bool), ``persist`` (the suffix kept; None without one), ``tool``
-    (:func:`check_tool_call` for a ``json_tool`` turn, else None), ``expected`` (what was checked against).
-    ``own_answers``: the texts of the conversation's earlier answers (whoever gave them: the history)."""
+def sentence_count(text: str) -> int:
+    """Sentences of ``text``: runs of '.', '!' or '?' followed by a space or the end (no regex)."""
+    n = 0
+    for i, ch in enumerate(text):
+        if ch in ".!?" and (i + 1 == len(text) or text[i + 1].isspace()):
+            n += 1
+    return n
+
+
+def keeps_format(text: str, suffix: str | None, sentences: int | None) -> bool | None:
+    """Whether an answer kept the system prompt's instruction: it ends with ``suffix``, and it ends a sentence and
+    holds at most ``sentences`` of them (None: the session asks neither)."""
+    if not suffix and sentences is None:
+        return None
+    body = text.strip()
+    ok = True
+    if suffix:
+        ok = body.endswith(suffix)
+    if sentences is not None:
+        ok = ok and body[-1:] in (".", "!", "?") and sentence_count(body) <= sentences
+    return ok
+
+
+def score_turn(turn: Turn, text: str, own_answers: list[str], *, suffix: str | None = None,
+               sentences: int | None = None) -> dict:
+    """The scores of one answer, ``text`` being what the model generated after the turn's prefix: ``correct``
+    (bool), ``persist`` (:func:`keeps_format` of the whole answer: prefix and text), ``tool``
+    (:func:`check_tool_call` of the whole answer for a ``json_tool`` turn, whose prefix may open the JSON; else
+    None), ``expected`` (what was checked against). The other checkers read the generated text alone (a prefix
+    such as ``"7 + 3 = "`` holds numbers of its own). ``own_answers``: the generated texts of the conversation's
+    earlier answers (whoever gave them: the history)."""
     body = strip_suffix(text, suffix)
-    persist = None if not suffix else text.strip().endswith(suffix)
+    persist = keeps_format(turn.prefix + text, suffix, sentences)
     tool = None
     expected: str | None = turn.answer
     if turn.checker == "json_tool":
-        tool = check_tool_call(body, turn)
+        tool = check_tool_call(strip_suffix(turn.prefix + text, suffix), turn)
         correct = tool["exact"]
         expected = json.dumps({"name": turn.name, "arguments": turn.arguments}, sort_keys=True)
     elif turn.checker == "own_number":
@@ -310,13 +347,16 @@ def _session_of(obj: Any, at: str, lineno: int) -> Session:
         raise KvevalError(f"{at} the id is not 1-64 characters of letters, digits, '_', '.' and '-'")
     system = _text_field(obj, "system", at, required=False) or ""
     suffix = _text_field(obj, "suffix", at, required=False)
+    sentences = obj.get("sentences")
+    if sentences is not None and (type(sentences) is not int or not 1 <= sentences <= MAX_SENTENCES):
+        raise KvevalError(f"{at} 'sentences' is not a whole number from 1 to {MAX_SENTENCES}")
     context = _text_field(obj, "context", at, required=False) or ""
     turns = obj.get("turns")
     if not isinstance(turns, list) or not turns:
         raise KvevalError(f"{at} session {sid!r} has no turns; give \"turns\": a list of {{\"user\": ...}} objects")
     if len(turns) > MAX_TURNS:
         raise KvevalError(f"{at} session {sid!r} has more than {MAX_TURNS} turns; split it")
-    return Session(id=sid, system=system, suffix=suffix or None, context=context,
+    return Session(id=sid, system=system, suffix=suffix or None, sentences=sentences, context=context,
                    turns=tuple(_turn_of(t, f"{at} turn {j}:", j) for j, t in enumerate(turns)))
 
 
@@ -332,6 +372,7 @@ def _turn_of(obj: Any, at: str, index: int) -> Turn:
     assert user is not None
     if not user.strip():
         raise KvevalError(f"{at} the user text is empty")
+    prefix = _text_field(obj, "prefix", at, required=False) or ""
     checker = obj.get("checker")
     answer = obj.get("answer")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
@@ -361,8 +402,9 @@ def _turn_of(obj: Any, at: str, index: int) -> Turn:
         if type(own_from) is not int or not 0 <= own_from < index:
             raise KvevalError(f"{at} checker 'own_number' needs \"own_from\": the index of an earlier turn")
     return Turn(user=user, checker=checker, answer=answer, name=name, arguments=arguments, schema=schema,
-                own_from=own_from)
+                own_from=own_from, prefix=prefix)
 
 
 __all__ = ["CHECKERS", "DOCUMENT", "Session", "TURN_KINDS", "Turn", "builtin_sessions", "check_tool_call",
-           "first_integer", "first_json_object", "load_sessions", "read_user_file", "score_turn", "strip_suffix"]
+           "first_integer", "first_json_object", "keeps_format", "load_sessions", "read_user_file", "score_turn",
+           "sentence_count", "strip_suffix"]

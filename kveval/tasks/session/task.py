@@ -13,16 +13,17 @@ variant of the config:
   would feed it: user turns as prefill chunks, the FP answers token by token), and the policy answers each turn
   on a branch of that cache: a control that separates the cache's error from a conversation that has already
   drifted. Its record also holds the KLD of the policy's next-token distributions from the FP model's along the
-  FP answers (per turn: mean and max), both caches teacher-forced on the same tokens.
+  FP answers (per turn: mean and max), both caches teacher-forced on the same tokens. A session's baseline and
+  its ``fp_history`` runs are decoded together (:mod:`kveval.tasks.session.follow`).
 
 One unit and one record per (session, policy or baseline, variant), with every turn's answer ids, text, scores and
-history depth; a session killed mid-way is decoded again from its start on resume. The metrics come from the
+history depth; a session killed mid-way is decoded again from its start on resume (a session's baseline and
+``fp_history`` records are written together, after its last turn). The metrics come from the
 records alone (:mod:`kveval.tasks.session.aggregate`).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 
 from kveval.errors import KvevalError
@@ -32,12 +33,12 @@ from kveval.tasks.session.aggregate import aggregate
 from kveval.tasks.session.conversation import (
     Conversation,
     check_chat_template,
-    first_turn_ids,
-    kld,
-    next_turn_ids,
+    turn_ids,
+    turn_record,
 )
+from kveval.tasks.session.follow import follow_session
 from kveval.tasks.session.params import NAME, Params
-from kveval.tasks.session.sessions import Session, builtin_sessions, load_sessions, score_turn
+from kveval.tasks.session.sessions import Session, builtin_sessions, load_sessions
 
 __all__ = ["NAME", "Params", "aggregate", "check", "run"]
 
@@ -72,8 +73,8 @@ def check(ctx, params: Params) -> None:
     check_chat_template(ctx.tokenizer)
     limit = model_context_limit(ctx.model)
     for s in session_set(ctx, params):
-        first = len(first_turn_ids(ctx.tokenizer, s))
-        later = sum(len(next_turn_ids(ctx.tokenizer, s, t.user, None)) for t in s.turns[1:])
+        first = len(turn_ids(ctx.tokenizer, s, 0, None, set()))
+        later = sum(len(turn_ids(ctx.tokenizer, s, j, None, set())) for j in range(1, len(s.turns)))
         need = first + later + len(s.turns) * params.max_new_tokens
         if need > limit:
             raise KvevalError(f"tasks: session '{s.id}' needs up to {need} tokens (its turns plus max_new_tokens "
@@ -82,32 +83,46 @@ def check(ctx, params: Params) -> None:
 
 
 def run(ctx, params: Params) -> dict:
-    """Decode every (session, policy or baseline, variant) not yet recorded, baseline first (``fp_history`` reads
-    its conversations), then aggregate every record."""
+    """Decode every (session, policy or baseline, variant) not yet recorded, then aggregate every record. A
+    session's baseline and its ``fp_history`` runs are one batch (:func:`follow_session`: the FP conversation
+    decoded once, the policies' caches fed along it); ``reuse`` and ``reprefill`` run one at a time."""
     from kveval.tasks.common.decoding import eos_token_ids
 
     sessions = session_set(ctx, params)
     by_id = {s.id: s for s in sessions}
-    runs = [(BASELINE, FP)] + [(name, v) for name in ctx.policies for v in params.variants]
-    units = [Unit(record_key(s.id, who, v), (s.id, who, v), steps=len(s.turns), amount=len(s.turns))
-             for who, v in runs for s in sessions]
+    follow = [name for name in ctx.policies if "fp_history" in params.variants]
+    own = [(name, v) for name in ctx.policies for v in params.variants if v != "fp_history"]
+    units = [Unit(record_key(s.id, who, v), (s.id, who, v), batch=("follow", s.id), steps=len(s.turns),
+                  amount=len(s.turns))
+             for s in sessions for who, v in [(BASELINE, FP)] + [(name, "fp_history") for name in follow]]
+    units += [Unit(record_key(s.id, who, v), (s.id, who, v), steps=len(s.turns), amount=len(s.turns))
+              for who, v in own for s in sessions]
     eos = eos_token_ids(ctx.model, ctx.tokenizer)
 
     def evaluate(batch: list[Unit], _prepared) -> Iterator[dict]:
-        for unit in batch:
-            sid, who, variant = unit.item
-            session = by_id[sid]
-            policy = None if who == BASELINE else ctx.policies[who]
-            where = f"session '{sid}' of {who} ({variant})"
-            if variant == "fp_history":
-                turns = _fp_history(ctx, params, session, policy, _fp_record(ctx, sid), eos, where)
-            else:
-                turns = _decode(ctx, params, session, policy, eos, where, reprefill=variant == "reprefill")
-            yield {"key": unit.key, "task": NAME, "session": sid, "policy": who, "variant": variant,
-                   "turns": turns}
+        sid, who, variant = batch[0].item
+        session = by_id[sid]
+        if variant in (FP, "fp_history"):
+            todo = [u for u in batch if u.item[1] != BASELINE]
+            replay = None if len(todo) < len(batch) else _fp_record(ctx, sid)["turns"]
+            fp_turns, turns = follow_session(ctx, session, {u.item[1]: ctx.policies[u.item[1]] for u in todo},
+                                             replay, params.max_new_tokens, eos)
+            if replay is None:
+                yield _record(record_key(sid, BASELINE, FP), sid, BASELINE, FP, fp_turns)
+            for u in todo:
+                yield _record(u.key, sid, u.item[1], "fp_history", turns[u.item[1]])
+            return
+        turns = _decode(ctx, params, session, ctx.policies[who], eos, f"session '{sid}' of {who} ({variant})",
+                        reprefill=variant == "reprefill")
+        yield _record(batch[0].key, sid, who, variant, turns)
 
-    run_units(ctx, NAME, units, Work(label="session", noun="session runs", evaluate=evaluate, rate_unit="turn"))
+    run_units(ctx, NAME, units, Work(label="session", noun="session runs", evaluate=evaluate, rate_unit="turn",
+                                     batch_size=lambda b: None if b else 1))
     return aggregate(ctx.run.records(), sessions, list(ctx.policies), params)
+
+
+def _record(key: str, sid: str, who: str, variant: str, turns: list[dict]) -> dict:
+    return {"key": key, "task": NAME, "session": sid, "policy": who, "variant": variant, "turns": turns}
 
 
 def _fp_record(ctx, sid: str) -> dict:
@@ -122,33 +137,17 @@ def _fp_record(ctx, sid: str) -> dict:
                       f"reads); delete the line of key '{record_key(sid, BASELINE, FP)}' to decode it again")
 
 
-def _ended(tokenizer, tokens: list[int], eos: set[int]) -> str | None:
-    """The text of the end-of-sequence token an answer ended with, None when it ran out of tokens."""
-    return tokenizer.decode([tokens[-1]]) if tokens and tokens[-1] in eos else None
-
-
-def _turn_record(ctx, session: Session, j: int, fed: list[int], tokens: list[int], depth: int,
-                 answers: list[str]) -> dict:
-    """One turn's part of a record: the ids fed, the answer's ids and text, the history depth, the scores."""
-    text = ctx.tokenizer.decode(tokens, skip_special_tokens=True)
-    scores = score_turn(session.turns[j], text, session.suffix, answers)
-    return {"turn": j, "kind": session.turns[j].kind, "depth": depth, "fed": fed, "tokens": tokens, "text": text,
-            **scores}
-
-
 def _decode(ctx, params: Params, session: Session, policy, eos: set[int], where: str, *,
             reprefill: bool) -> list[dict]:
-    """The session through one cache (``reuse``; the baseline) or a fresh cache a turn (``reprefill``)."""
+    """The session through one cache (``reuse``) or a fresh cache a turn (``reprefill``)."""
     tok = ctx.tokenizer
     conv = Conversation.start(ctx.model, policy, where=where)
     history: list[int] = []  # every id the model read or wrote before the current turn, in order
     out: list[dict] = []
     answers: list[str] = []
     last: list[int] = []  # the previous answer's last token: generated, not fed yet
-    for j, turn in enumerate(session.turns):
-        new = first_turn_ids(tok, session) if j == 0 else next_turn_ids(tok, session, turn.user,
-                                                                      _ended(tok, out[-1]["tokens"], eos))
-        fed = last + new
+    for j in range(len(session.turns)):
+        fed = last + turn_ids(tok, session, j, out[-1]["tokens"] if out else None, eos)
         depth = len(history) + len(last)
         if reprefill:
             conv = Conversation.start(ctx.model, policy, where=where)
@@ -156,33 +155,9 @@ def _decode(ctx, params: Params, session: Session, policy, eos: set[int], where:
         else:
             logits = conv.feed(fed, at=f", turn {j}")
         tokens = conv.greedy(logits, params.max_new_tokens, eos, at=f", turn {j}")
-        rec = _turn_record(ctx, session, j, fed, tokens, depth, answers)
+        rec = turn_record(tok, session, j, fed, tokens, depth, answers)
         out.append(rec)
         answers.append(rec["text"])
         history += fed + tokens[:-1]
         last = tokens[-1:]
-    return out
-
-
-def _fp_history(ctx, params: Params, session: Session, policy, fp: dict, eos: set[int], where: str) -> list[dict]:
-    """The policy's answers with the FP model's conversation as the history, and its KLD along the FP answers:
-    the FP cache and the policy's cache fed the same ids (each turn's new ids as one chunk, then the FP answer
-    token by token); per turn the policy answers on a branch of its cache."""
-    fp_conv = Conversation.start(ctx.model, None, where=where)
-    conv = Conversation.start(ctx.model, policy, where=where)
-    out: list[dict] = []
-    fp_answers = [t["text"] for t in fp["turns"]]
-    for j, fp_turn in enumerate(fp["turns"][: len(session.turns)]):
-        fed, fp_tokens = [int(t) for t in fp_turn["fed"]], [int(t) for t in fp_turn["tokens"]]
-        depth = len(conv.ids) + (1 if j else 0)  # the history before this turn's new ids, as _decode counts it
-        at = f", turn {j}"
-        lf, lp = fp_conv.feed(fed, at=at), conv.feed(fed, at=at)
-        tokens = copy.deepcopy(conv).greedy(lp, params.max_new_tokens, eos, at=f"{at} (branch)")
-        klds = [kld(lf, lp)]
-        for t in fp_tokens[:-1]:  # the FP answer, token by token, into both caches
-            lf, lp = fp_conv.feed([t], at=at), conv.feed([t], at=at)
-            klds.append(kld(lf, lp))
-        rec = _turn_record(ctx, session, j, fed, tokens, depth, fp_answers)
-        rec["kld_mean"], rec["kld_max"] = sum(klds) / len(klds), max(klds)
-        out.append(rec)
     return out
