@@ -379,12 +379,19 @@ def validate(
     overrides: OverrideOpt = None,
     output: OutputOpt = None,
     allow_code: AllowCodeOpt = False,
+    overwrite: Annotated[bool, typer.Option(help="As kveval run --overwrite: a folder holding another run may be replaced.")] = False,
 ):
     """Check a config without running it: the schema, and what it names on this machine (output folder, corpus
-    file, scales and plan files, lm-eval include folder), as kveval run checks them before it starts."""
-    from kveval.config import load_config
+    file, scales and plan files, lm-eval include folder), as kveval run checks them before it starts: an output
+    folder holding another config's run, or records of input files changed since, is refused as run refuses it."""
+    from kveval.config import input_files, load_config
+    from kveval.results.checks import check_folder, check_inputs_unchanged
+    from kveval.results.store import input_digests
 
     cfg = load_config(config, with_output(overrides, output), allow_code=allow_code)
+    out_dir = cfg.output_dir()
+    if not check_folder(out_dir, cfg.resolved(), overwrite=overwrite) and not overwrite:
+        check_inputs_unchanged(out_dir, input_digests(input_files(cfg)))
     names = ", ".join(cfg.policies())
     tasks = ", ".join(t.kind for t in cfg.tasks)
     print(f"{config}: ok (model {cfg.model.name}; policies {names}; tasks {tasks}; output {cfg.output_dir()})")
@@ -394,11 +401,11 @@ def validate(
 @user_errors
 def memory(
     model: Annotated[str | None, typer.Option(help="Model (builtin:NAME, hub id, local dir): only its config is read.")] = None,
-    shape: Annotated[str | None, typer.Option(help="Named shape: llama-7b-mha, llama-7b-gqa4, smollm2-135m.")] = None,
+    shape: Annotated[str | None, typer.Option(help="Named shape, e.g. llama-3.1-8b, qwen3-8b, deepseek-v3 (kveval ls shapes lists them all).")] = None,
     layers: Annotated[int | None, typer.Option(help="Explicit shape: number of layers.")] = None,
     kv_heads: Annotated[int | None, typer.Option(help="Explicit shape: KV heads per layer.")] = None,
     head_dim: Annotated[int | None, typer.Option(help="Explicit shape: head dimension.")] = None,
-    context: Annotated[str, typer.Option(help="Tokens per sequence: 2048, 32k (32,768), 128Ki.")] = "2048",
+    context: Annotated[str, typer.Option(help="Tokens per sequence: 2048 (the default), 32k (32,768), 128Ki.")] = "2048",
     batch: Annotated[str, typer.Option(help="Sequences (1, 64, 1k), or several: 1,16,64.")] = "1",
     kv: Annotated[str | None, typer.Option(help="Comma-separated policies (default: a representative set).")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="GPU memory for max batch, e.g. 80GiB.")] = None,

@@ -208,3 +208,25 @@ def test_config_counts_take_units_too(tmp_path):
         validate({**raw, "tasks": [{"perplexity": {"seq_len": "1.3k"}}]}, "c.yaml")
     with pytest.raises(KvevalError, match=r"memory\.context"):
         validate({**raw, "memory": {"context": "32GiB"}}, "c.yaml")
+
+
+def test_did_you_mean_names_the_family_a_word_begins():
+    """Issue 53: `--kv int4` suggested int8 (the closest spelling); a word that begins several names gets them."""
+    from kveval.errors import did_you_mean
+
+    names = ["int8", "int4_g32", "int4_g64", "int4_g128", "int4_token", "int4_channel", "kivi2"]
+    assert did_you_mean("int4", names) == "; did you mean one of 'int4_g32', 'int4_g64', 'int4_g128', " \
+                                          "'int4_token' (5 in all)?"
+    assert did_you_mean("int4_g6", names) == "; did you mean 'int4_g64'?"  # one name begins with it
+    assert did_you_mean("imt8", names) == "; did you mean 'int8'?"  # a misspelling: the closest
+    assert did_you_mean("zzz", names) == ""
+
+
+def test_memory_prints_whole_byte_counts_and_how_to_size_the_max_batch():
+    """Issue 53: bytes/token printed as 131,072.0, and max batch "-" without saying --gpu-memory sizes it."""
+    from kveval.commands.memory import memory_command
+
+    text = memory_command(shape="llama-3.1-8b", kv="int8,kivi2")
+    assert "66,560 " in text and "66,560.0" not in text and "27,904 " in text
+    assert "max batch: give --gpu-memory SIZE" in text
+    assert "give --gpu-memory" not in memory_command(shape="llama-3.1-8b", kv="int8", gpu_memory="80GiB")

@@ -333,8 +333,10 @@ def _printed_lines(text: str) -> list[str]:
 
 
 def test_every_kveval_line_deploy_prints_passes_validate(tmp_path):
-    """The "run it:" lines of the nearest options, pasted back with run -> validate, are accepted: each names a
-    policy kveval has (never an engine flag such as --kv-cache-dtype fp8_e5m2 or KvCacheConfig(dtype='fp8'))."""
+    """The "run it:" lines of the nearest options, pasted back with run -> validate as they are, are accepted: each
+    names a policy kveval has (never an engine flag such as --kv-cache-dtype fp8_e5m2 or KvCacheConfig(dtype='fp8'))
+    and an output folder of its own (the config's folder holds the config's run, which validate refuses as run
+    does)."""
     from typer.testing import CliRunner
 
     from kveval.cli import app
@@ -345,7 +347,8 @@ def test_every_kveval_line_deploy_prints_passes_validate(tmp_path):
     for line in runs:
         argv = shlex.split(line)
         assert argv[:2] == ["kveval", "run"], line
-        result = CliRunner().invoke(app, ["validate", *argv[2:], "-o", str(tmp_path / "o")])
+        assert argv[-2] == "-o" and argv[-1].startswith("results/engines-"), line
+        result = CliRunner().invoke(app, ["validate", *argv[2:]])
         assert result.exit_code == 0, (line, result.output)
 
 

@@ -49,7 +49,7 @@ def test_memory_cli_prints_what_vllm_allocates():
                           "fp16,vllm_fp8_ds_mla", "--context", "131072"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {line.split()[1]: line.split()[3] for line in out.stdout.splitlines() if line.startswith("│")}
-    assert rows == {"fp16": "70,272.0", "vllm_fp8_ds_mla": "40,016.0"}
+    assert rows == {"fp16": "70,272", "vllm_fp8_ds_mla": "40,016"}
     bad = subprocess.run([sys.executable, "-m", "kveval", "memory", "--shape", "deepseek-v4"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "unknown shape" in bad.stderr

@@ -272,3 +272,19 @@ def test_the_reports_next_steps_paste_back_from_a_folder_with_a_space(tmp_path):
     md = (out / "report.md").read_text()
     line = md.split("# rebuild this report\n", 1)[1].splitlines()[0]
     assert shlex.split(line) == ["kveval", "report", str(path)]
+
+
+def test_reading_says_the_next_cheaper_policys_own_verdict(tmp_path):
+    """Issue 53: the Reading said "k8v4 ... fails with ΔPPL +1.14%" where the table and metrics.json said
+    inconclusive; the sentence now carries the policy's verdict, the same field the table shows."""
+    run = write_synthetic_run(tmp_path / "r", policies=("int8", "int4_g64"))
+    m = json.loads((run / "metrics.json").read_text())
+    m["policies"]["int8"]["verdict"] = "pass"
+    m["policies"]["int4_g64"].update(verdict="inconclusive", delta_ppl_pct=1.14)
+    (run / "metrics.json").write_text(json.dumps(m))
+    text = "\n".join(reading_of(load(run)))
+    assert "int4_g64" in text and "is inconclusive at this run's size with ΔPPL +1.14%" in text
+    assert "fails" not in text
+    m["policies"]["int4_g64"]["verdict"] = "fail"
+    (run / "metrics.json").write_text(json.dumps(m))
+    assert "fails with ΔPPL +1.14% (its verdict: fail)" in "\n".join(reading_of(load(run)))

@@ -83,6 +83,9 @@ def test_builtin_sessions_are_seeded_and_hold_their_facts():
     a = builtin_sessions(2, filler, [0, 8], seed=3)
     assert [s.id for s in a] == ["c0-0", "c0-1", "c8-0", "c8-1"]
     assert a == builtin_sessions(2, filler, [0, 8], seed=3) and a != builtin_sessions(2, filler, [0, 8], seed=4)
+    bare = builtin_sessions(2, filler, [0, 8], seed=3, prefills=False)
+    assert all(t.prefix == "" for s in bare for t in s.turns) and [s.context for s in bare] == [s.context for s in a]
+    assert all(t.prefix for s in a for t in s.turns)
     for s in a:
         assert s.turns[0].answer in s.context and s.turns[3].answer in s.context
         assert s.turns[2].arguments["city"] in s.context

@@ -5,7 +5,23 @@ from __future__ import annotations
 import sys
 
 from kveval.errors import KvevalError
-from kveval.tasks.lm_eval.bridge import model_args_string
+
+#: what to do when lm-evaluation-harness is not installed
+INSTALL = "pip install 'kveval[lmeval]'"
+
+
+def _harness():
+    """(lm-eval's ``HarnessCLI``, kveval's ``model_args_string``); one KvevalError line with the install command
+    when lm-evaluation-harness is not installed (kveval's extra ``lmeval``)."""
+    try:
+        from lm_eval._cli import HarnessCLI
+
+        from kveval.tasks.lm_eval.bridge import model_args_string
+    except ModuleNotFoundError as exc:
+        if not str(exc.name or "").startswith("lm_eval"):
+            raise
+        raise KvevalError(f"kveval lm-eval needs lm-evaluation-harness, which is not installed: {INSTALL}") from None
+    return HarnessCLI, model_args_string
 
 
 def lm_eval_command(kv: str, model: str, dtype: str, device: str, lm_eval_args: list[str]) -> int:
@@ -23,12 +39,11 @@ def lm_eval_command(kv: str, model: str, dtype: str, device: str, lm_eval_args: 
     if args and args[0] == "run":
         args = args[1:]
     args = _without_kveval_backend(args)
+    HarnessCLI, model_args_string = _harness()
     argv = ["run", "--model", "kveval", "--model_args", model_args_string(model, kv, dtype)]
     if not any(a == "--device" or a.startswith("--device=") for a in args):
         argv += ["--device", device]
     argv += args
-    from lm_eval._cli import HarnessCLI
-
     parser = HarnessCLI()
     parsed = _parsed(parser._parser, argv)
     if isinstance(parsed, int):

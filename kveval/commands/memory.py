@@ -84,7 +84,7 @@ def render_table(rows: list[dict], title: str | None = None, batches: list[int] 
         share = r["scales"] / first_total if first_total else 0.0
         table.add_row(
             r["policy"],
-            f"{r['bytes_per_token']:,.1f}",
+            _count(r["bytes_per_token"]),
             _joined(r["total"], format_bytes) if isinstance(r["total"], list) else format_bytes(r["total"]),
             f"{100 * r['saving_vs_fp16']:.1f}%",
             f"{100 * share:.1f}%",
@@ -168,9 +168,17 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
     console = Console(file=buf, width=max(100, len(heading)), color_system=None, force_terminal=False)
     console.print(heading, highlight=False, markup=False, soft_wrap=True)
     console.print(render_table([_rows_across(docs, i) for i in range(len(docs[0]["rows"]))], batches=batches))
+    if gpu_memory is None:
+        console.print("max batch: give --gpu-memory SIZE (80GiB) or --gpu NAME (h100) to size it", highlight=False,
+                      markup=False, soft_wrap=True)
     if roofline_gpu is not None:
         console.print(render_roofline(docs, roofline_gpu), highlight=False, markup=False, soft_wrap=True)
     return buf.getvalue().rstrip() + "\n"
+
+
+def _count(v: float) -> str:
+    """``131,072`` for a whole number of bytes, ``27,904.5`` otherwise (never ``131,072.0``)."""
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:,.1f}"
 
 
 def _joined(values: list, fmt) -> str:

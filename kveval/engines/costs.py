@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kveval.engines.tables import Engine, EngineType
 from kveval.errors import KvevalError
@@ -36,8 +37,9 @@ class Option:
 
     def line(self, config_hint: str = "CONFIG") -> str:
         if self.kld is None and self.run_name:
+            out = f"results/{Path(config_hint).stem}-{self.run_name}"  # its own folder: the config's holds its run
             cost = "cost: not measured (run it: " + shlex.join(
-                ["kveval", "run", config_hint, "-s", f"kv=[{self.run_name}]"]) + ")"
+                ["kveval", "run", config_hint, "-s", f"kv=[{self.run_name}]", "-o", out]) + ")"
         elif self.kld is None:
             cost = "cost: not measured"
         else:

@@ -91,8 +91,11 @@ def reading_of(r: RunResults) -> list[str]:
             cheaper = q[(q[cost_col] < row[cost_col]) & ~q.index.isin(ok.index)] if _ok(row[cost_col]) else q.iloc[:0]
             if len(cheaper):
                 nxt = cheaper.sort_values(cost_col, ascending=False).index[0]
-                out.append(f"The next cheaper policy, {nxt}{_mem_words(cheaper.loc[nxt])}, fails with ΔPPL "
-                           f"{cheaper.loc[nxt, 'delta_ppl_pct']:+.2f}%.")
+                verdict = str(cheaper.loc[nxt, "verdict"] or "")
+                said = {"fail": "fails", "inconclusive": "is inconclusive at this run's size"}.get(verdict,
+                                                                                                  "is not within it")
+                out.append(f"The next cheaper policy, {nxt}{_mem_words(cheaper.loc[nxt])}, {said} with ΔPPL "
+                           f"{cheaper.loc[nxt, 'delta_ppl_pct']:+.2f}% (its verdict: {verdict or 'none'}).")
         elif q["delta_ppl_pct"].notna().any():
             best = q["delta_ppl_pct"].idxmin()
             out.append(f"No policy stays within {crit}; the least damaging is {best} "

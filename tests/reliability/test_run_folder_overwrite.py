@@ -252,3 +252,16 @@ def test_resume_in_a_read_only_run_folder_is_refused(run_copy):
     with read_only(out):
         one_line_exit_2(CliRunner().invoke(app, ["run", str(path)]), "run", "writable")
     assert snapshot(out) == before
+
+
+def test_validate_refuses_a_folder_holding_another_configs_run_as_run_does(h, tmp_path):
+    """Issue 53: `kveval validate` said ok where `kveval run` with the same arguments refused ("holds a run of a
+    different config"): validate checks the output folder as run does, --overwrite included."""
+    out = tmp_path / "out"
+    config = h.write_config(tmp_path / "c.yaml", h.tiny_raw(out))
+    assert h.invoke("run", config, "--quiet").exit_code == 0
+    assert h.invoke("validate", config).exit_code == 0  # the same config: it resumes
+    line = h.assert_user_error(h.invoke("validate", config, "-s", "seed=1"), "holds a run of a different config")
+    assert "--overwrite" in line
+    h.assert_user_error(h.invoke("run", config, "-s", "seed=1", "--quiet"), "holds a run of a different config")
+    assert h.invoke("validate", config, "-s", "seed=1", "--overwrite").exit_code == 0

@@ -19,6 +19,7 @@ class Params(Strict):
     sessions: str = "builtin"  # "builtin" (procedural sessions) or a JSONL file of sessions (docs/sessions.md)
     sessions_per_size: int = Field(4, gt=0, le=10_000)  # builtin: sessions of each document size
     context_sentences: list[int] = Field(default_factory=lambda: [0, 16, 64], min_length=1)  # builtin: document sizes (corpus sentences)
+    prefills: bool = True  # builtin: open each answer with its turn's prefill; false: a chat model needing none
     variants: list[Literal["reuse", "reprefill", "fp_history"]] = Field(default_factory=lambda: ["reuse"], min_length=1)
     max_new_tokens: int = Field(48, gt=0, le=4096)  # per answer
     depth_buckets: list[int] = Field(default_factory=lambda: [256, 512, 1024, 2048, 4096, 8192, 16384, 32768],

@@ -33,7 +33,7 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kveval.errors import KvevalError
@@ -104,15 +104,20 @@ class Session:
 # ---------------------------------------------------------------------------------------------------------------
 # Builtin sessions
 # ---------------------------------------------------------------------------------------------------------------
-def builtin_sessions(n: int, filler: list[str], context_sentences: list[int], seed: int) -> list[Session]:
+def builtin_sessions(n: int, filler: list[str], context_sentences: list[int], seed: int, *,
+                     prefills: bool = True) -> list[Session]:
     """``n`` sessions per entry of ``context_sentences`` (each: how many corpus sentences of ``filler`` the
     document holds around its facts: the history depth), ids ``c<sentences>-<i>``, drawn from a generator seeded
-    by ``seed``, the size and the index: the same arguments give the same sessions."""
+    by ``seed``, the size and the index: the same arguments give the same sessions. ``prefills`` False: no turn
+    opens its answer with a prefill (a chat model that answers the turns without them)."""
     out = []
     for size in context_sentences:
         for i in range(n):
             rng = random.Random(f"kveval-session/{seed}/{size}/{i}")
-            out.append(_builtin_session(f"c{size}-{i}", rng, filler, size))
+            session = _builtin_session(f"c{size}-{i}", rng, filler, size)
+            if not prefills:
+                session = replace(session, turns=tuple(replace(t, prefix="") for t in session.turns))
+            out.append(session)
     return out
 
 

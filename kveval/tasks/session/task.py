@@ -62,7 +62,8 @@ def session_set(ctx, params: Params) -> list[Session]:
 
         d = ctx.cfg.data
         ctx.cache[key] = split_sentences(load_text(d.source, split=d.split, text_field=d.text_field))
-    return builtin_sessions(params.sessions_per_size, ctx.cache[key], params.context_sentences, seed=ctx.cfg.seed)
+    return builtin_sessions(params.sessions_per_size, ctx.cache[key], params.context_sentences, seed=ctx.cfg.seed,
+                            prefills=params.prefills)
 
 
 def check(ctx, params: Params) -> None:
