@@ -277,13 +277,15 @@ def scan(
     overwrite: Annotated[bool, typer.Option(help="Replace a results folder that holds a different config.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
     allow_code: AllowCodeOpt = False,
+    engine: Annotated[str | None, typer.Option(help="Scan the cache types this engine runs (vllm, llamacpp, sglang, trtllm, transformers), into OUTPUT-ENGINE.")] = None,
 ):
     """Per-layer, per-K/V sensitivity: quantize one tensor at a time, measure KLD and ΔPPL against FP."""
     from kveval.commands.scan import scan_command
     from kveval.config import code_allowed
 
     with code_allowed(allow_code):
-        scan_command(str(config), with_output(overrides, output), naive=naive, overwrite=overwrite, quiet=quiet)
+        scan_command(str(config), with_output(overrides, output), naive=naive, overwrite=overwrite, quiet=quiet,
+                     engine=engine)
 
 
 @app.command()

@@ -12,6 +12,32 @@ from rich.progress import Progress as RichProgress
 from kveval.messages import print_line
 
 
+def rate_text(units: float, seconds: float, unit: str) -> str:
+    """A rate that never rounds to 0: ``1,500 tok/s``, ``4.2 turn/s``, below one a second ``12 cell/min``,
+    below one a minute ``3.1 min/cell``; ``-`` before any unit is done."""
+    if units <= 0 or seconds <= 0:
+        return f"- {unit}/s"
+    per_s = units / seconds
+    if per_s >= 10:
+        return f"{per_s:,.0f} {unit}/s"
+    if per_s >= 1:
+        return f"{per_s:.1f} {unit}/s"
+    if per_s * 60 >= 1:
+        return f"{per_s * 60:.1f} {unit}/min"
+    return f"{seconds / units / 60:.1f} min/{unit}"
+
+
+def time_left(done: int, total: int, seconds: float) -> str:
+    """``12 min 30 s left`` (at the rate so far), ``""`` before any step is done or after the last."""
+    if done <= 0 or done >= total or seconds <= 0:
+        return ""
+    left = seconds * (total - done) / done
+    minutes, secs = divmod(int(round(left)), 60)
+    hours, minutes = divmod(minutes, 60)
+    text = f"{hours} h {minutes} min" if hours else f"{minutes} min {secs} s" if minutes else f"{secs} s"
+    return f", {text} left"
+
+
 class Progress:
     def __init__(self, console: Console, quiet: bool = False):
         self.console = console
@@ -32,8 +58,9 @@ class Progress:
                 state["units"] += units
                 t = time.perf_counter()
                 if t - state["last"] > 10 or state["done"] == total:
-                    rate = state["units"] / max(t - start, 1e-9)
-                    self.log(f"{description}: {state['done']}/{total} ({rate:,.0f} {unit}/s)")
+                    rate = rate_text(state["units"], t - start, unit)
+                    self.log(f"{description}: {state['done']}/{total} ({rate}"
+                             f"{time_left(state['done'], total, t - start)})")
                     state["last"] = t
 
             yield advance
@@ -49,7 +76,6 @@ class Progress:
 
             def advance(units: int = 0, steps: int = 1):
                 units_done[0] += units
-                rate = units_done[0] / max(time.perf_counter() - start, 1e-9)
-                bar.update(task_id, advance=steps, rate=f"{rate:,.0f} {unit}/s")
+                bar.update(task_id, advance=steps, rate=rate_text(units_done[0], time.perf_counter() - start, unit))
 
             yield advance

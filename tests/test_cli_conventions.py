@@ -230,3 +230,17 @@ def test_memory_prints_whole_byte_counts_and_how_to_size_the_max_batch():
     assert "66,560 " in text and "66,560.0" not in text and "27,904 " in text
     assert "max batch: give --gpu-memory SIZE" in text
     assert "give --gpu-memory" not in memory_command(shape="llama-3.1-8b", kv="int8", gpu_memory="80GiB")
+
+
+def test_progress_rates_never_round_to_zero_and_say_the_time_left():
+    """Issue 53: the scan's line read "(0 cell/s)" with no time left (a cell takes seconds)."""
+    from kveval.progress import rate_text, time_left
+
+    assert rate_text(1500, 1.0, "tok") == "1,500 tok/s"
+    assert rate_text(42, 10.0, "turn") == "4.2 turn/s"
+    assert rate_text(3, 15.0, "cell") == "12.0 cell/min"
+    assert rate_text(1, 186.0, "cell") == "3.1 min/cell"
+    assert rate_text(0, 5.0, "cell") == "- cell/s"
+    assert time_left(10, 40, 60.0) == ", 3 min 0 s left"
+    assert time_left(1, 100, 120.0) == ", 3 h 18 min left"
+    assert time_left(3, 4, 3.0) == ", 1 s left" and time_left(4, 4, 3.0) == "" and time_left(0, 4, 3.0) == ""

@@ -12,7 +12,14 @@ import yaml
 from kveval.errors import KvevalError
 from kveval.memory import fp16_bytes, kv_bytes
 from kveval.policy.plan_file import PlanFile, PlannedLayer, UniformPlan
-from kveval.tasks.sensitivity.planner import GENERATED_DIR, nearest_uniform, plan, uniform_prediction
+from kveval.results.layout import CONFIG_FILE
+from kveval.tasks.sensitivity.planner import (
+    GENERATED_DIR,
+    MissingEngineSpecs,
+    nearest_uniform,
+    plan,
+    uniform_prediction,
+)
 
 
 def _slug(text: str) -> str:
@@ -46,7 +53,16 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     metrics = read_metrics(scan_dir)
     resolved = read_config(scan_dir)
     _check_same_model(scan_dir, resolved, metrics)
-    p = plan(metrics, budget, context=context, allow_fp=allow_fp, engine=engine)
+    try:
+        p = plan(metrics, budget, context=context, allow_fp=allow_fp, engine=engine)
+    except MissingEngineSpecs as exc:
+        from kveval.commands.scan import engine_scan_line
+
+        assert engine is not None
+        again = f"{scan_dir}-{engine}"
+        raise KvevalError(f"{exc}; scan them with: {engine_scan_line(str(scan_dir / CONFIG_FILE), engine, again)}"
+                          f", then: kveval plan {shlex.quote(again)} --budget {shlex.quote(budget)} --engine "
+                          f"{engine}") from None
     if engine == "transformers" and p.arch.sliding_layers:  # QuantizedCache refuses such a model (kveval deploy)
         raise KvevalError(f"--engine transformers: transformers' QuantizedCache has no sliding-window layers and "
                           f"this model has {len(p.arch.sliding_layers)}; plan for another engine, or without --engine")

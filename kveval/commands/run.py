@@ -121,7 +121,7 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     _complete(metrics, ctx, checked.plan)
     run.write_metrics(metrics)
     run.write_env(env, started=started, finished=now())
-    _print_tables(ctx.console, metrics, cfg)
+    _print_tables(ctx.console, metrics, cfg, run.path)
     from kveval.commands.report import write_run_report
 
     write_run_report(run.path)  # a report that fails is one line and a non-zero exit; the results stay
@@ -255,8 +255,16 @@ def _complete(metrics: dict, ctx: CheckContext, plan: dict | None) -> None:
         metrics["plan"] = plan
 
 
-def _print_tables(console: Console, metrics: dict, cfg: ExperimentConfig) -> None:
-    """The closing console tables: the summary, the weights x KV interaction, each later task entry's summary."""
+def _print_tables(console: Console, metrics: dict, cfg: ExperimentConfig, out_dir: Path) -> None:
+    """The closing console tables: the summary, the weights x KV interaction, each later task entry's summary; a
+    scan alone (its policies are only memory bills: a table of "-") ends with its most sensitive layers and the
+    commands that plan from it instead."""
+    if cfg.tasks and all(t.kind == "sensitivity" for t in cfg.tasks):
+        from kveval.tasks.sensitivity.closing import closing_lines
+
+        for line in closing_lines(metrics, str(out_dir)):
+            print_line(console, line)
+        return
     console.print(summary_table(metrics, cfg))
     if (metrics.get("weights") or {}).get("variants"):
         console.print(weights_interaction_table(metrics, cfg))

@@ -69,7 +69,7 @@ def test_memory_defaults_leave_out_what_does_not_fit(tmp_path):
         "hidden_size": 256, "kv_lora_rank": 32, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32}))
     proc = _cli("memory", "--model", str(folder), "--context", "1000")
     assert proc.returncode == 0, proc.stderr
-    assert "left out (they do not fit this model): int4_g64" in proc.stdout and "384.0" in proc.stdout
+    assert "left out (they do not fit this model): int4_g64" in proc.stdout and " 384 │" in proc.stdout
     _one_line(_cli("memory", "--model", str(folder), "--kv", "int4_g64"), "the latent c_kv, 32 wide")
     _one_line(_cli("memory", "--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--shape", "x"),
               "give exactly one of")

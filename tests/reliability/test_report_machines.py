@@ -65,8 +65,11 @@ def test_runs_of_different_configs_are_not_compared(tmp_path):
     (b / "config.resolved.yaml").write_text(config)
     assert "## Same config" not in _report(tmp_path, a, b)
     # the same config on other tokens (a changed corpus: the digest .kveval-run.json records) neither
+    # (the reference run's marker is not committed: each copy gets one naming its tokens' digest)
     c = _machine(tmp_path, "c", "AMD EPYC 9B14", {})
-    marker = json.loads((c / ".kveval-run.json").read_text())
-    marker["tokens"]["sha256"] = "0" * 64
-    (c / ".kveval-run.json").write_text(json.dumps(marker))
+    for run, digest in ((a, "1" * 64), (c, "0" * 64)):
+        (run / ".kveval-run.json").write_text(json.dumps({"tokens": {"sha256": digest, "count": 4096}}))
     assert "## Same config" not in _report(tmp_path, a, c)
+    # and the same digest on both is compared
+    (c / ".kveval-run.json").write_text((a / ".kveval-run.json").read_text())
+    assert "## Same config" in _report(tmp_path, a, c)

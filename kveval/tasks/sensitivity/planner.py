@@ -326,6 +326,10 @@ def plan(metrics: dict, budget: Budget | str, *, context: int | None = None, ext
     return Plan(key, value, best, 100.0 * math.expm1(dnll_sum), budget, capacity, total, context, arch, estimated)
 
 
+class MissingEngineSpecs(KvevalError):
+    """A scan holds none of the cache types an engine runs (``kveval plan`` adds the command that scans them)."""
+
+
 def engine_plan(metrics: dict, budget: Budget, engine: str, *, context: int, allow_fp: bool = False) -> Plan:
     """The plan of least summed scanned KLD under ``budget`` among the policies ``engine`` can run, from the
     scanned specs that compute one of its cache types (no estimated specs: an engine's type is scanned or left
@@ -342,8 +346,8 @@ def engine_plan(metrics: dict, budget: Budget, engine: str, *, context: int, all
     cands = eng.candidates(scanned)
     if not cands:
         runnable = sorted({s for t in eng.types for s in t.specs if s != "none"})
-        raise KvevalError(f"--engine {engine}: the scan holds none of the specs {eng.title} can run (scanned: "
-                          f"{', '.join(scanned)}); scan some of: {', '.join(runnable)}")
+        raise MissingEngineSpecs(f"--engine {engine}: the scan holds none of the specs {eng.title} can run "
+                                 f"(scanned: {', '.join(scanned)}; it runs {', '.join(runnable)})")
     specs = cands + (["none"] if "none" not in cands else [])
     costs = candidate_costs(arch, specs, context)
     capacity = budget.bytes(arch, context)
