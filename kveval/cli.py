@@ -210,7 +210,7 @@ def run(
     overrides: OverrideOpt = None,
     output: OutputOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Replace a results folder that holds a different config.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar: one closing line per step.")] = False,
     allow_code: AllowCodeOpt = False,
 ):
     """Evaluate the config's KV policies against the full-precision baseline; write results/<name>/."""
@@ -250,7 +250,7 @@ def calibrate(
     config: Annotated[Path, typer.Argument(help="Experiment config; its calibration: section says how.")],
     overrides: OverrideOpt = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Scales file to write (.safetensors).")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar: one closing line per step.")] = False,
     allow_code: AllowCodeOpt = False,
     export: Annotated[tuple[str, Path] | None, typer.Option(
         help="Also write a checkpoint folder with the scales: --export compressed-tensors DIR (the model's weights "
@@ -275,7 +275,7 @@ def scan(
     output: OutputOpt = None,
     naive: Annotated[bool, typer.Option(help="Recompute every layer for every cell (no prefix reuse), for checking.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace a results folder that holds a different config.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Plain log lines instead of progress bars.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar: one closing line per step.")] = False,
     allow_code: AllowCodeOpt = False,
     engine: Annotated[str | None, typer.Option(help="Scan the cache types this engine runs (vllm, llamacpp, sglang, trtllm, transformers), into OUTPUT-ENGINE.")] = None,
 ):
@@ -407,7 +407,7 @@ def memory(
     layers: Annotated[int | None, typer.Option(help="Explicit shape: number of layers.")] = None,
     kv_heads: Annotated[int | None, typer.Option(help="Explicit shape: KV heads per layer.")] = None,
     head_dim: Annotated[int | None, typer.Option(help="Explicit shape: head dimension.")] = None,
-    context: Annotated[str, typer.Option(help="Tokens per sequence: 2048 (the default), 32k (32,768), 128Ki.")] = "2048",
+    context: Annotated[str | None, typer.Option(help="Tokens per sequence: 32k (32,768), 128Ki; default: the model's own context.")] = None,
     batch: Annotated[str, typer.Option(help="Sequences (1, 64, 1k), or several: 1,16,64.")] = "1",
     kv: Annotated[str | None, typer.Option(help="Comma-separated policies (default: a representative set).")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="GPU memory for max batch, e.g. 80GiB.")] = None,
@@ -422,7 +422,7 @@ def memory(
 
     print(memory_command(
         model=model, shape=shape, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-        context=parse_count(context, "--context"), batch=parse_batches(batch),
+        context=None if context is None else parse_count(context, "--context"), batch=parse_batches(batch),
         kv=kv, gpu_memory=gpu_memory, block_size=block_size, json_output=json_output, gpu=gpu,
     ), end="")
 
@@ -454,6 +454,16 @@ def list_things(
     if what is not None and what not in LISTS:
         raise KvevalError(f"kveval ls {what}: not a list{did_you_mean(what, LISTS)} (one of {', '.join(LISTS)})")
     console = Console()
+    if what is None and grep is None:  # the kinds and their counts: 570 lines at once read as noise
+        t = Table(show_header=False, box=None, pad_edge=False)
+        t.add_column(style="bold cyan", no_wrap=True)
+        t.add_column(justify="right", no_wrap=True)
+        t.add_column()
+        for name, title in LISTS.items():
+            t.add_row(Text(name), Text(str(len(list_rows(name)))), Text(title.split(" (")[0].split(";")[0]))
+        console.print(t)
+        print_line(console, "kveval ls KIND lists one kind; kveval ls --grep WORD searches them all")
+        return
     shown = 0
     for name in [what] if what else list(LISTS):
         rows = [r for r in list_rows(name) if grep is None or grep.lower() in " ".join(r).lower()]

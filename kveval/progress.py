@@ -1,4 +1,5 @@
-"""Progress bars (rich) on a terminal, plain log lines with --quiet or when output is not a terminal."""
+"""Progress bars (rich) on a terminal, plain log lines every 10 s when output is not a terminal, and with --quiet
+one closing line per task (its count, rate and nothing in between)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def time_left(done: int, total: int, seconds: float) -> str:
 class Progress:
     def __init__(self, console: Console, quiet: bool = False):
         self.console = console
-        self.quiet = quiet or not console.is_terminal
+        self.quiet = quiet or not console.is_terminal  # plain lines, no bar
+        self.closing_only = quiet  # --quiet: a task's last line alone
 
     def log(self, message: str) -> None:
         print_line(self.console, message)
@@ -57,7 +59,7 @@ class Progress:
                 state["done"] += steps
                 state["units"] += units
                 t = time.perf_counter()
-                if t - state["last"] > 10 or state["done"] == total:
+                if state["done"] == total or (t - state["last"] > 10 and not self.closing_only):
                     rate = rate_text(state["units"], t - start, unit)
                     self.log(f"{description}: {state['done']}/{total} ({rate}"
                              f"{time_left(state['done'], total, t - start)})")

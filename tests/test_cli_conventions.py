@@ -141,7 +141,7 @@ def test_memory_takes_counts_with_units():
     (["valdate", "x.yaml"], "error: kveval: No such command 'valdate'; did you mean 'validate'? (kveval -h lists them)"),
     (["run", "configs/int4_g64.yaml", "--overwrit"],
      "error: kveval run: No such option: --overwrit (Possible options: --no-overwrite, --overwrite)"),
-    (["run"], "error: kveval run: Missing argument 'config'."),
+    (["run"], "error: kveval run: Missing argument 'CONFIG'."),
     (["memory", "--contxt", "3"], "error: kveval memory: No such option: --contxt (Possible options: --context)"),
 ])
 def test_usage_errors_are_one_line_in_kveval_style(args, line):
@@ -158,6 +158,12 @@ def test_ls_lists_one_kind_and_filters():
     shapes = runner.invoke(app, ["ls", "shapes"], env={"COLUMNS": "300"})
     assert everything.exit_code == 0 and shapes.exit_code == 0
     assert "Named shapes" in everything.output and "KV policy presets" in everything.output
+    # without a kind: the kinds and their counts (issue 53: 570 lines at 80 columns)
+    counts = {line.split()[0]: int(line.split()[1]) for line in everything.output.splitlines()[:6]}
+    assert counts["shapes"] == len([line for line in shapes.output.splitlines()[1:] if line[:1].strip()])
+    assert len(everything.output.splitlines()) == 7 and "kveval ls KIND lists one kind" in everything.output
+    narrow = runner.invoke(app, ["ls", "presets"], env={"COLUMNS": "80"})
+    assert max(map(len, narrow.output.splitlines())) <= 80 and "checked: reference" in narrow.output
     assert "llama-7b-gqa4" in shapes.output and "KV policy presets" not in shapes.output
     qwen = runner.invoke(app, ["ls", "shapes", "--grep", "QWEN"], env={"COLUMNS": "300"})
     rows = [line.split()[0] for line in qwen.output.splitlines()[1:] if line.strip() and not line.startswith(" ")]
@@ -226,7 +232,7 @@ def test_memory_prints_whole_byte_counts_and_how_to_size_the_max_batch():
     """Issue 53: bytes/token printed as 131,072.0, and max batch "-" without saying --gpu-memory sizes it."""
     from kveval.commands.memory import memory_command
 
-    text = memory_command(shape="llama-3.1-8b", kv="int8,kivi2")
+    text = memory_command(shape="llama-3.1-8b", kv="int8,kivi2", context=2048)
     assert "66,560 " in text and "66,560.0" not in text and "27,904 " in text
     assert "max batch: give --gpu-memory SIZE" in text
     assert "give --gpu-memory" not in memory_command(shape="llama-3.1-8b", kv="int8", gpu_memory="80GiB")
@@ -244,3 +250,55 @@ def test_progress_rates_never_round_to_zero_and_say_the_time_left():
     assert time_left(10, 40, 60.0) == ", 3 min 0 s left"
     assert time_left(1, 100, 120.0) == ", 3 h 18 min left"
     assert time_left(3, 4, 3.0) == ", 1 s left" and time_left(4, 4, 3.0) == "" and time_left(0, 4, 3.0) == ""
+
+
+COMMANDS = ["run", "scan", "validate", "plan", "deploy", "memory", "report", "sweep", "calibrate", "ls", "lm-eval"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_reads_as_click_writes_it(command):
+    """Issue 53: help showed <bool>, <list[str]> and {config} (typer 0.27 and 0.29: pyproject.toml bounds it)."""
+    result = CliRunner().invoke(app, [command, "--help"], terminal_width=120)
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.output and "<list[" not in result.output and "<str>" not in result.output
+    usage = next(line for line in result.output.splitlines() if "Usage:" in line)
+    assert "{" not in usage, usage
+
+
+def test_memory_bills_the_models_own_context_and_says_so(tmp_path):
+    """Issue 53: --shape llama-3.1-8b billed 2,048 tokens silently where kveval run uses the model's context."""
+    from kveval.commands.memory import memory_command
+
+    heading = memory_command(shape="llama-3.1-8b", kv="int8").splitlines()[0]
+    assert "context 131,072 (the model's own; --context N for another)" in heading
+    assert "16.00 GiB" in heading  # FP16: 32 layers x 2 x 8 heads x 128 x 2 B x 131,072 tokens
+    assert "context 8,192 (the model's own" in memory_command(model="builtin:smollm2-135m", kv="int8")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 128, "max_position_embeddings": 3000}))
+    assert "context 3,000 (the model's own" in memory_command(model=str(folder), kv="int8")
+    assert "context 4,096," in memory_command(model=str(folder), kv="int8", context=4096)
+    # a named shape whose entry names no context: the default, said
+    assert "context 2,048 (the default: the model names no context" in memory_command(shape="smollm2-135m", kv="int8")
+
+
+def test_quiet_prints_one_closing_line_per_task(monkeypatch):
+    """Issue 53: --quiet still printed progress every 10 s; it prints the task's last line alone."""
+    import io
+
+    from rich.console import Console
+
+    import kveval.progress as module
+
+    for quiet, lines in ((True, 1), (False, 3)):
+        buf = io.StringIO()
+        progress = module.Progress(Console(file=buf, force_terminal=False, width=200), quiet=quiet)
+        clock = iter([0.0, 11.0, 23.0, 24.0])  # the start, then one step each; 10 s apart but the last
+        monkeypatch.setattr(module.time, "perf_counter", clock.__next__)
+        with progress.task("scan", total=3, unit="cell") as advance:
+            for _ in range(3):
+                advance(1)
+        out = buf.getvalue().strip().splitlines()
+        assert len(out) == lines and out[-1].startswith("scan: 3/3 ("), out

@@ -67,3 +67,86 @@ def test_a_scan_without_an_engines_types_prints_the_commands_that_plan_for_it(ti
     assert planned.exit_code == 0, planned.output
     deployed = _invoke(["deploy", str(out.with_name(out.stem + ".plan.json")), "--engine", engine])
     assert deployed.exit_code == 0 and flag in deployed.output, deployed.output
+
+
+def test_plan_prints_the_chosen_layers_and_whole_byte_counts(tmp_path, capsys):
+    """Issue 53: plan printed ``1658880 B`` and named the chosen layers only inside the YAML."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deploy import readme_scan
+
+    from kveval.commands.plan import layer_ranges, plan_command
+
+    assert layer_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and layer_ranges([3]) == "3" and layer_ranges([]) == ""
+    config = plan_command(str(readme_scan(tmp_path / "scan")), "int4_g64", str(tmp_path / "p.yaml"))
+    out = capsys.readouterr().out
+    import json
+
+    layers = json.loads((tmp_path / "p.plan.json").read_text())["layers"]
+    assert config == str(tmp_path / "p.yaml")
+    keys = re.search(r"^  keys: (.*)$", out, flags=re.M).group(1)
+    for part in keys.split("; "):  # each spec's layers as printed are the layers the config gives it
+        spec, ranges = part.split(" at ")
+        printed = {i for r in ranges.split(", ") for i in range(int(r.split("-")[0]), int(r.split("-")[-1]) + 1)}
+        assert printed == {entry["layer"] for entry in layers if entry["key"] == spec}, (part, layers)
+    assert "1,658,880 B (1.58 MiB)" in out and "1658880" not in out
+
+
+@pytest.mark.parametrize("engine", ["vllm", "llamacpp", None])
+def test_a_budget_below_every_plan_names_the_least_that_plans(tmp_path, engine):
+    """The refusal said "1658880 B is below ... 2949360 B"; it gives the smallest budget that plans, which, pasted
+    back, plans."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deploy import readme_scan
+
+    scan = readme_scan(tmp_path / "scan", ["int8", "fp8_e4m3", "q8_0", "q4_0"])
+    extra = ["--engine", engine] if engine else []
+    refused = _invoke(["plan", str(scan), "--budget", "2", *extra, "-o", str(tmp_path / "a.yaml")])
+    assert refused.exit_code == 2, refused.output
+    line = refused.output.strip().splitlines()[-1]
+    assert re.search(r"\d,\d{3},\d{3} B = ", line), line  # whole byte counts with separators
+    least = re.search(r"give --budget ([0-9.]+) or more$", line).group(1)
+    planned = _invoke(["plan", str(scan), "--budget", least, *extra, "-o", str(tmp_path / "b.yaml")])
+    assert planned.exit_code == 0, (least, planned.output)
+
+
+@pytest.mark.integration
+def test_the_readme_scan_plans_and_deploys_for_vllm_and_llamacpp_with_no_second_scan(tmp_path):
+    """Issue 53's acceptance at a tiny size: the README's scan config (configs/layer_scan.yaml, here on
+    tiny-llama and 64 tokens), then every `kveval plan ... --engine E` line it prints, pasted back; each plan's
+    printed deploy line, pasted back, prints the engine's flags; the plan's printed `kveval run` line runs."""
+    from pathlib import Path
+
+    scan_dir = tmp_path / "layer_scan"
+    preset = yaml.safe_load((Path(__file__).parents[1] / "tasks" / "presets" / "scan_quick.yaml").read_text())
+    # the preset's specs; groups of 64 become 32 (tiny-llama's heads are 32 wide), the engines' types stay
+    specs = [s.replace("_g64", "_g32") for s in preset["sensitivity"]["specs"]]
+    assert {"fp8_e4m3", "q8_0", "q4_0"} <= set(specs)
+    argv = ["scan", "configs/layer_scan.yaml", "-s", "model.name=builtin:tiny-llama", "-s", "kv=[int8]", "-s",
+            f"tasks[0].sensitivity.specs=[{','.join(specs)}]", "-s", "tasks[0].sensitivity.seq_len=32", "-s",
+            "tasks[0].sensitivity.max_tokens=64", "-o", str(scan_dir), "--quiet"]
+    scanned = _invoke(argv)
+    assert scanned.exit_code == 0, scanned.output
+    plans = {engine: line for line, engine in re.findall(r"^      (kveval plan .* --engine (\w+))$",
+                                                         scanned.output, flags=re.M)}
+    assert {"vllm", "llamacpp"} <= set(plans), scanned.output  # no second scan needed
+    flags = {"vllm": "--kv-cache-dtype fp8", "llamacpp": "-ctk q"}
+    for engine in ("vllm", "llamacpp"):
+        out = tmp_path / f"plan_{engine}.yaml"
+        planned = _invoke([*shlex.split(plans[engine])[1:], "-o", str(out)])
+        assert planned.exit_code == 0, planned.output
+        deploy_line = re.search(r"^its flags for \w+: (kveval deploy .*)$", planned.output, flags=re.M).group(1)
+        deployed = _invoke(shlex.split(deploy_line)[1:])
+        assert deployed.exit_code == 0 and flags[engine] in deployed.output, deployed.output
+        run_line = re.search(r"run it: (kveval run .*)$", planned.output, flags=re.M).group(1)
+        config = yaml.safe_load(out.read_text())
+        assert config["model"]["name"] == "builtin:tiny-llama"  # the scanned model, not the config's default
+        ran = _invoke([*shlex.split(run_line)[1:], "-s", "tasks[0].perplexity.max_tokens=128", "-o",
+                       str(tmp_path / f"run_{engine}"), "--quiet"])
+        assert ran.exit_code == 0, ran.output
+        assert "planned" in ran.output

@@ -65,7 +65,7 @@ def test_engines_doc_holds_the_table():
 
 
 def test_ls_shows_the_kind():
-    result = CliRunner().invoke(app, ["ls"], env={"COLUMNS": "400"})
+    result = CliRunner().invoke(app, ["ls", "presets"], env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
     lines = {line.split()[0]: line for line in result.output.splitlines() if line.strip()}
     assert "checked: system (tests/parity/test_llamacpp.py)" in lines["llamacpp_q4_0"]

@@ -288,3 +288,30 @@ def test_reading_says_the_next_cheaper_policys_own_verdict(tmp_path):
     m["policies"]["int4_g64"]["verdict"] = "fail"
     (run / "metrics.json").write_text(json.dumps(m))
     assert "fails with ΔPPL +1.14% (its verdict: fail)" in "\n".join(reading_of(load(run)))
+
+
+def test_max_batch_says_its_context_and_never_compares_two_unlabelled(tmp_path):
+    """Issue 53: the appendix's max batch had no context, and the cross-run table put max batches counted at
+    different contexts side by side."""
+    from pathlib import Path
+
+    from kveval.report.tables import verdict_table
+
+    reference = Path(__file__).resolve().parents[1] / "results" / "reference"
+    one = load(str(reference))
+    dep = one.metrics["memory"]["deployment"]
+    assert dep["context"] == 8192
+    table = verdict_table(one)
+    assert "max batch @ 8k" in table.columns and "max batch" not in table.columns
+    assert table.set_index("policy").loc["int8", "max batch @ 8k"] == f"{dep['policies']['int8']['max_batch']:,}"
+    other = tmp_path / "other"
+    shutil.copytree(reference, other)
+    metrics = json.loads((other / "metrics.json").read_text())
+    metrics["run"] = "other"
+    metrics["memory"]["deployment"]["context"] = 4096
+    (other / "metrics.json").write_text(json.dumps(metrics))
+    config = (other / "config.resolved.yaml").read_text().replace("name: int4_g64", "name: other")
+    (other / "config.resolved.yaml").write_text(config)
+    both = verdict_table([one, load(str(other))])
+    cells = dict(zip(zip(both["run"], both["policy"]), both["max batch @ context"]))
+    assert cells[(one.name, "int8")].endswith(" @ 8k") and cells[("other", "int8")].endswith(" @ 4k"), cells

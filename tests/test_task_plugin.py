@@ -72,7 +72,7 @@ def test_a_task_package_and_its_preset_are_all_a_new_task_needs(tmp_path):
     where = subprocess.run([sys.executable, "-c", "import kveval.tasks.divergence.task as t; print(t.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert where.stdout.strip().startswith(str(src)), where.stderr  # the copy, not the installed kveval
-    listed = kveval("ls")
+    listed = kveval("ls", "tasks")
     assert listed.returncode == 0 and "divergence" in listed.stdout and "divergence_quick" in listed.stdout
     assert kveval("validate", str(config)).returncode == 0
     done = kveval("run", str(config))

@@ -41,11 +41,11 @@ def load_target(target: str) -> tuple[dict[str, KVPolicy], Arch, int, str, ScanP
                               f"{str(exc)[:120]}); rerun kveval plan") from None
         scan, scan_name = _scan_of(side)
         return {"planned": policy}, arch, side.context, _model_of_config(side.config), scan, scan_name, side.config
+    from kveval.commands.memory import resolve_arch  # the builtin model's shape without reading its GGUF
     from kveval.config import load_config
-    from kveval.models import model_config
 
     cfg = load_config(path)
-    arch = Arch.from_model_config(model_config(cfg.model.name), name=cfg.model.name)
+    arch = resolve_arch(model=cfg.model.name)
     lengths = [getattr(t.params, "seq_len", 0) for t in cfg.tasks]
     context = cfg.memory.context or max(lengths) or 2048
     scan, scan_name = (None, "")

@@ -24,7 +24,8 @@ def list_rows(what: str) -> list[tuple[str, ...]]:
             check = check_of(name)
             return "" if check is None else f"checked: {check.kind} ({check.test or 'no test'})"
 
-        return [(n, d, checked(n)) for n, d in policy_descriptions().items()]
+        # one text column: a third one was cut at 80 columns
+        return [(n, f"{d}; {checked(n)}" if checked(n) else d) for n, d in policy_descriptions().items()]
     if what == "formats":
         from kveval.quant import preset, preset_names
 

@@ -45,6 +45,34 @@ def resolve_arch(model: str | None = None, shape: str | None = None, layers: int
     return Arch.from_model_config(model_config(name), name=name)
 
 
+DEFAULT_CONTEXT = 2048  # billed when neither --context nor the model names one
+
+
+def own_context(model: str | None, shape: str | None) -> tuple[int, str]:
+    """The context ``kveval memory`` bills when ``--context`` is not given, and the words that say where it comes
+    from: the model's own (``max_position_embeddings`` of a named shape, a builtin, a local folder's or a hub
+    id's config.json) as ``kveval run`` uses it, else :data:`DEFAULT_CONTEXT`."""
+    own = None
+    if shape is not None:
+        from kveval.memory.shapes import NAMED_SHAPES
+
+        entry = NAMED_SHAPES.get(shape)
+        own = entry["config"].get("max_position_embeddings") if entry else None
+    elif model is not None:
+        from kveval.models.info import context_limit_of
+
+        own = context_limit_of(model)
+        if own is None and not str(model).startswith("builtin:"):
+            from kveval.models import model_config
+            from kveval.models.checks import text_config
+
+            value = getattr(text_config(model_config(str(model))), "max_position_embeddings", None)
+            own = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    if own is None:
+        return DEFAULT_CONTEXT, " (the default: the model names no context of its own; --context N for another)"
+    return int(own), " (the model's own; --context N for another)"
+
+
 def _fitting(arch: Arch, names) -> tuple[list[str], list[str]]:
     """(the policies of ``names`` that can be laid out on ``arch``, those that cannot)."""
     from kveval.memory.bill import as_policy
@@ -106,13 +134,17 @@ def parse_batches(text: str) -> int | list[int]:
 
 
 def memory_command(model: str | None = None, shape: str | None = None, layers: int | None = None,
-                   kv_heads: int | None = None, head_dim: int | None = None, context: int = 2048,
+                   kv_heads: int | None = None, head_dim: int | None = None, context: int | None = None,
                    batch: int | list[int] = 1, kv: str | list[str] | None = None, gpu_memory: str | int | None = None,
                    block_size: int = DEFAULT_BLOCK_SIZE, json_output: bool = False, gpu: str | None = None) -> str:
     """What ``kveval memory`` prints: the JSON document (``json_output``) or the rendered table with a heading.
     ``gpu``: add the decode roofline (:mod:`kveval.memory.roofline`) per policy at each batch and the context; a
     named GPU's memory is the max batch's unless ``gpu_memory`` is given. ``batch``: one, or several (the bill's
-    totals and blocks per batch, the roofline's rows per policy and batch)."""
+    totals and blocks per batch, the roofline's rows per policy and batch). ``context``: None bills the model's
+    own context (:func:`own_context`, as ``kveval run`` defaults to it), and the heading says so."""
+    context_said = ""
+    if context is None:
+        context, context_said = own_context(model, shape)
     batches = [batch] if isinstance(batch, int) else list(batch)
     roofline_gpu = None
     if gpu is not None:
@@ -145,7 +177,7 @@ def memory_command(model: str | None = None, shape: str | None = None, layers: i
         return json.dumps(docs[0] if len(docs) == 1 else {"batches": batches, "by_batch": docs}, indent=2)
     from rich.console import Console
 
-    heading = f"{arch.name}: {shape_words(arch)}; context {context:,}, batch {_joined(batches, '{:,}')}, FP16 " \
+    heading = f"{arch.name}: {shape_words(arch)}; context {context:,}{context_said}, batch {_joined(batches, '{:,}')}, FP16 " \
               f"cache {_joined([fp16_bytes(arch, context, b) for b in batches], format_bytes)}"
     if shape is not None:
         from kveval.memory.shapes import NAMED_SHAPES

@@ -20,10 +20,22 @@ from kveval.tasks.sensitivity.planner import (
     plan,
     uniform_prediction,
 )
+from kveval.units import format_bytes
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]+", "_", text).strip("_") or "plan"
+
+
+def layer_ranges(layers) -> str:
+    """Layer indices as runs: ``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _check_same_model(scan_dir: Path, resolved: dict, metrics: dict) -> None:
@@ -140,7 +152,15 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     print(f"  planned: {p.bits_per_element:.4f} bits/element, predicted summed KLD {p.predicted_kld_sum:.4g}, "
           f"predicted ΔPPL {p.predicted_delta_ppl_pct:+.3f}%")
     print("  layers per spec (K, V): " + ", ".join(f"{s} {k}/{v}" for s, (k, v) in counts.items()))
+    for tensor, specs in (("keys", p.key), ("values", p.value)):
+        print(f"  {tensor}: " + "; ".join(f"{s} at {layer_ranges(i for i, x in enumerate(specs) if x == s)}"
+                                          for s in dict.fromkeys(specs)))
+    print(f"  cache at {p.context:,} tokens: {p.total_bytes:,} B ({format_bytes(p.total_bytes)}), "
+          f"{p.total_bytes / fp16:.4f}x FP16")
     for s in uniform:
         print(f"  uniform {s}: {bills[s].bits_per_element:.4f} bits/element, predicted summed KLD {predictions[s]:.4g}")
     print(f"config: {path}   run it: {shlex.join(['kveval', 'run', str(path)])}")
+    if engine:
+        deploy = ["kveval", "deploy", str(path.with_name(path.stem + ".plan.json")), "--engine", engine]
+        print(f"its flags for {engine}: {shlex.join(deploy)}")
     return str(path)

@@ -116,11 +116,12 @@ def _run_locked(cfg: ExperimentConfig, out_dir: Path, runners: dict, *, overwrit
     resolve_auto_scales(ctx, run)
     started = now()
     env = _environment(ctx, config_path)
-    run.write_env(env, started=started)
+    before = run.worked_before()  # a resumed run: its earlier parts' time (the report states the whole)
+    run.write_env(env, started=started, before=before)
     metrics = _run_tasks(ctx, cfg, run, runners)
     _complete(metrics, ctx, checked.plan)
     run.write_metrics(metrics)
-    run.write_env(env, started=started, finished=now())
+    run.write_env(env, started=started, finished=now(), before=before)
     _print_tables(ctx.console, metrics, cfg, run.path)
     from kveval.commands.report import write_run_report
 

@@ -313,14 +313,26 @@ def _seq_len(r: RunResults) -> int | None:
     return None
 
 
+def _minutes(secs: float) -> str:
+    return f"{secs / 60:.1f} min" if secs >= 60 else f"{secs:.0f} s"
+
+
 def _duration(env: dict) -> str:
+    """``Run: 2026-12-07 12:00 UTC, 7.1 min``; a resumed run states all its parts' time from its first start."""
     try:
         s = datetime.fromisoformat(env["started"])
         f = datetime.fromisoformat(env["finished"])
     except (KeyError, TypeError, ValueError):
         return ""
-    secs = (f - s).total_seconds()
-    return f"Run: {s:%Y-%m-%d %H:%M} UTC, {secs / 60:.1f} min" if secs >= 60 else f"Run: {s:%Y-%m-%d %H:%M} UTC, {secs:.0f} s"
+    this = (f - s).total_seconds()
+    parts, total = env.get("parts"), env.get("seconds")
+    if isinstance(parts, int) and parts > 1 and isinstance(total, (int, float)) and total >= this:
+        try:
+            first = datetime.fromisoformat(env["first_started"])
+        except (KeyError, TypeError, ValueError):
+            first = s
+        return f"Run: {first:%Y-%m-%d %H:%M} UTC, {_minutes(total)} in {parts} parts (the last, resumed: {_minutes(this)})"
+    return f"Run: {s:%Y-%m-%d %H:%M} UTC, {_minutes(this)}"
 
 
 def _env_table(r: RunResults) -> pd.DataFrame:

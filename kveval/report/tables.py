@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -96,7 +97,18 @@ def verdict_table(runs: RunResults | Sequence[RunResults]) -> pd.DataFrame:
     """The readable verdict table: policy, spec, PPL, ΔPPL %, KLD [95% CI], top-1, bits/element, compression,
     the tasks' own columns (when measured: their plug-ins' ``SummaryColumn.table``), verdict. Formatted strings; a ``run`` column only for several runs."""
     runs = [runs] if isinstance(runs, RunResults) else list(runs)
-    return _verdict_rows(summary(runs), keep_run=len(runs) > 1)
+    return _verdict_rows(summary(runs), keep_run=len(runs) > 1, batches=_deployment_batches(runs))
+
+
+def _deployment_batches(runs: Sequence[RunResults]) -> dict[tuple[str, str], tuple[Any, int | None]]:
+    """(run, policy) -> (max batch, the context it is counted at): each run's deployment-sized bill
+    (:func:`deployment_memory`), so that runs of different contexts are never compared unlabelled."""
+    out: dict[tuple[str, str], tuple[Any, int | None]] = {}
+    for r in runs:
+        ctx, mem = deployment_memory(r)
+        for policy, fields in mem.items():
+            out[(str(r.name), str(policy))] = (fields.get("max_batch"), ctx)
+    return out
 
 
 #: the at-a-glance table's columns (at most this many; :func:`glance_table`)
@@ -173,10 +185,19 @@ def task_entry_table(res: RunResults, label: str) -> pd.DataFrame:
     return _verdict_rows(_extra_columns(df.reset_index(drop=True), _policy_metrics(entry)), keep_run=False)
 
 
-def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
+def _verdict_rows(df: pd.DataFrame, keep_run: bool,
+                  batches: dict[tuple[str, str], tuple[Any, int | None]] | None = None) -> pd.DataFrame:
     """The formatted verdict rows of summary rows ``df`` (``RunResults.summary``'s columns); columns that are empty in every
-    row are left out (the ``run`` column too unless ``keep_run``)."""
+    row are left out (the ``run`` column too unless ``keep_run``). ``batches`` (:func:`_deployment_batches`): the
+    max batch column at the deployment context, named in the header when every row shares it, else in each cell."""
     rows = []
+    batch_col, batch_cells = "max batch", {}
+    if batches is not None:
+        contexts = {ctx for _, ctx in batches.values() if ctx}
+        one = len(contexts) == 1
+        batch_col = f"max batch @ {context_label(next(iter(contexts)))}" if one else "max batch @ context"
+        batch_cells = {key: _f(value, ",.0f") + ("" if one or not ctx or not _ok(value) else f" @ {context_label(ctx)}")
+                       for key, (value, ctx) in batches.items()}
     task_columns = [c for c in summary_columns() if c.table is not None]  # the tasks' own (their plug-ins)
     for _, r in df.iterrows():
         base = r["policy"] == BASELINE
@@ -194,7 +215,8 @@ def _verdict_rows(df: pd.DataFrame, keep_run: bool) -> pd.DataFrame:
             "bits/elem": _f(r["bits_per_element"], ".2f"),
             "bytes/token": _f(r["bytes_per_token"], ",.0f"),
             "compression": _f(r["compression_vs_fp16"], ".2f", suffix="×"),
-            "max batch": _f(r["max_batch"], ".0f"),
+            batch_col: batch_cells.get((str(r["run"]), str(r["policy"])), "") if batches is not None
+            else _f(r["max_batch"], ".0f"),
             **{c.table[0]: _f(r.get(c.key), c.table[1]) for c in task_columns},
             "noise floor ΔPPL %": _f(r["noise_floor_ppl_pct"], ".2f", prefix="±"),
             "preset checked": "" if base else _checked(r["policy"]),

@@ -47,6 +47,7 @@ from kveval.fileio import (
     atomic_write_text,
     end_with_newline,
     open_regular,
+    read_regular_bytes,
     scan_jsonl,
 )
 from kveval.results.checks import (
@@ -394,11 +395,41 @@ class RunDir:
             raise KvevalError(f"cannot write {self.path / name}: {exc.strerror or exc}; the records are safe: fix "
                               "that and rerun the same command to finish") from None
 
-    def write_env(self, env: dict, *, started: datetime, finished: datetime | None = None) -> None:
-        """``env.json`` with ``started`` and ``finished`` (ISO 8601; None while the run works), atomically."""
+    def worked_before(self) -> dict:
+        """What the folder's ``env.json`` says of this run's earlier parts, read before a resumed run rewrites it:
+        ``{"first_started": ISO, "seconds": s, "parts": n}`` (an interrupted part counts until its last record);
+        ``{}`` for a new folder or an env.json that cannot be read."""
+        try:
+            env = json.loads(read_regular_bytes(self.path / ENV_FILE).decode("utf-8"))  # never a FIFO
+            started = datetime.fromisoformat(env["started"])
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            return {}
+        seconds = env.get("seconds")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e9:
+            try:
+                end = datetime.fromisoformat(env["finished"]) if env.get("finished") else \
+                    datetime.fromtimestamp(os.stat(self.records_path).st_mtime, timezone.utc)
+            except (OSError, ValueError, TypeError):
+                end = started
+            seconds = max(0.0, (end - started).total_seconds())
+        parts = env.get("parts")
+        first = env.get("first_started")
+        return {"first_started": first if isinstance(first, str) else started.isoformat(), "seconds": float(seconds),
+                "parts": parts if isinstance(parts, int) and not isinstance(parts, bool) and parts > 0 else 1}
+
+    def write_env(self, env: dict, *, started: datetime, finished: datetime | None = None,
+                  before: dict | None = None) -> None:
+        """``env.json`` with ``started`` and ``finished`` (ISO 8601; None while the run works), atomically; with
+        the earlier parts of a resumed run (``before``, :meth:`worked_before`): ``first_started``, ``parts`` and,
+        once finished, ``seconds`` (all parts' working time)."""
         env = dict(env)
         env["started"] = started.isoformat()
         env["finished"] = finished.isoformat() if finished else None
+        before = before or {}
+        env["first_started"] = before.get("first_started", env["started"])
+        env["parts"] = before.get("parts", 0) + 1
+        if finished is not None:
+            env["seconds"] = round(before.get("seconds", 0.0) + (finished - started).total_seconds(), 3)
         self._replace_json(ENV_FILE, env)
 
     def write_metrics(self, metrics: dict) -> None:

@@ -77,7 +77,7 @@ class Budget:
     def describe(self, arch: Arch, context: int) -> str:
         b = self.bytes(arch, context)
         bits = 8 * b / kv_elements(arch, context)
-        return f"{self.text}: {b} B at {context} tokens ({bits:.4f} bits/element, {b / context:.1f} B/token)"
+        return f"{self.text}: {b:,} B at {context:,} tokens ({bits:.4f} bits/element, {b / context:,.1f} B/token)"
 
 
 _UNITS = {"b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2}
@@ -312,7 +312,8 @@ def plan(metrics: dict, budget: Budget | str, *, context: int | None = None, ext
         bits = 8 * least / kv_elements(arch, context)
         raise KvevalError(
             f"budget {budget.describe(arch, context)} is below the smallest plan the candidates "
-            f"({', '.join(specs)}) allow: {least} B = {bits:.4f} bits/element ({least / context:.1f} B/token)"
+            f"({', '.join(specs)}) allow: {least:,} B = {bits:.4f} bits/element ({least / context:,.1f} B/token); "
+            f"give --budget {math.ceil(bits * 100) / 100:g} or more"
         ) from None
     key, value = [""] * arch.layers, [""] * arch.layers
     dnll_sum = 0.0
@@ -386,7 +387,8 @@ def engine_plan(metrics: dict, budget: Budget, engine: str, *, context: int, all
         least = min(sum(costs[(i, "key", k)] + costs[(i, "value", v)] for i in layers) for k, v in pairs)
         bits = 8 * least / kv_elements(arch, context)
         raise KvevalError(f"budget {budget.describe(arch, context)} is below the smallest plan {eng.title} can run "
-                          f"from the scan's {', '.join(cands)}: {least} B = {bits:.4f} bits/element")
+                          f"from the scan's {', '.join(cands)}: {least:,} B = {bits:.4f} bits/element; give --budget "
+                          f"{math.ceil(bits * 100) / 100:g} or more")
     kld, total, dnll, key, value = best
     return Plan(key, value, kld, 100.0 * math.expm1(dnll), budget, capacity, total, context, arch, [],
                 engine=engine)
