@@ -280,6 +280,11 @@ def test_memory_bills_the_models_own_context_and_says_so(tmp_path):
         "hidden_size": 128, "max_position_embeddings": 3000}))
     assert "context 3,000 (the model's own" in memory_command(model=str(folder), kv="int8")
     assert "context 4,096," in memory_command(model=str(folder), kv="int8", context=4096)
+    # a config's absurd context is one line, not a bill of 10^15 tokens
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 10**15}))
+    result = CliRunner().invoke(app, ["memory", "--model", str(folder), "--kv", "int8"])
+    assert result.exit_code == 2 and "give --context N" in result.stderr and len(result.stderr.splitlines()) == 1
     # a named shape whose entry names no context: the default, said
     assert "context 2,048 (the default: the model names no context" in memory_command(shape="smollm2-135m", kv="int8")
 

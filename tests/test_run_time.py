@@ -58,3 +58,6 @@ def test_an_unreadable_env_is_a_new_run(tmp_path):
     (tmp_path / "env.json").write_text(json.dumps({"started": "2026-01-01T00:00:00+00:00", "finished": None,
                                                    "seconds": -5, "parts": True}))
     assert run.worked_before() == {"first_started": "2026-01-01T00:00:00+00:00", "seconds": 0.0, "parts": 1}
+    (tmp_path / "env.json").write_text(json.dumps({"started": "2026-01-01T00:00:00+00:00", "finished": None,
+                                                   "seconds": 1e300, "parts": 10**30, "first_started": 7}))
+    assert run.worked_before() == {"first_started": "2026-01-01T00:00:00+00:00", "seconds": 0.0, "parts": 1}

@@ -70,6 +70,11 @@ def own_context(model: str | None, shape: str | None) -> tuple[int, str]:
             own = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
     if own is None:
         return DEFAULT_CONTEXT, " (the default: the model names no context of its own; --context N for another)"
+    from kveval.units import MAX_COUNT
+
+    if own > MAX_COUNT:  # a config's number, not a context anyone serves: a bill of it would mislead
+        raise KvevalError(f"the model's config names a context of {own:,} tokens (max_position_embeddings), more "
+                          f"than kveval bills ({MAX_COUNT:,}); give --context N")
     return int(own), " (the model's own; --context N for another)"
 
 

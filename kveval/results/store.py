@@ -415,7 +415,7 @@ class RunDir:
         parts = env.get("parts")
         first = env.get("first_started")
         return {"first_started": first if isinstance(first, str) else started.isoformat(), "seconds": float(seconds),
-                "parts": parts if isinstance(parts, int) and not isinstance(parts, bool) and parts > 0 else 1}
+                "parts": parts if isinstance(parts, int) and not isinstance(parts, bool) and 0 < parts < 10**6 else 1}
 
     def write_env(self, env: dict, *, started: datetime, finished: datetime | None = None,
                   before: dict | None = None) -> None:
