@@ -150,3 +150,27 @@ def test_the_readme_scan_plans_and_deploys_for_vllm_and_llamacpp_with_no_second_
                        str(tmp_path / f"run_{engine}"), "--quiet"])
         assert ran.exit_code == 0, ran.output
         assert "planned" in ran.output
+
+
+def test_each_engine_plan_line_a_scan_prints_plans(tmp_path):
+    """The scan's closing lines gave every engine the scan's first spec as its budget: a scan that begins with
+    int2_g32 printed `--budget int2_g32 --engine vllm`, which vLLM's fp8 cannot fit. Each engine line now names a
+    budget that engine plans within; pasted back, every line plans."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deploy import readme_scan
+
+    from kveval.tasks.sensitivity.closing import closing_lines
+
+    scan = readme_scan(tmp_path / "scan", ["int2_g32", "fp8_e4m3", "q8_0", "q4_0", "int4_g64"])
+    lines = closing_lines(json.loads((scan / "metrics.json").read_text()), str(scan))
+    engines = {line.split("--engine ")[1]: line.strip() for line in lines if "--engine " in line and "(" not in line}
+    assert {"vllm", "llamacpp", "transformers"} <= set(engines), lines
+    assert "--budget int2_g32 --engine transformers" in engines["transformers"]  # the first spec where it plans
+    assert "--budget int2_g32" not in engines["vllm"]
+    for engine, line in engines.items():
+        result = _invoke([*shlex.split(line)[1:], "-o", str(tmp_path / f"{engine}.yaml")])
+        assert result.exit_code == 0, (line, result.output)

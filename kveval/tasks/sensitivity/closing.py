@@ -31,6 +31,24 @@ def sensitive_layers(metrics: dict) -> tuple[str, dict[str, list[tuple[int, floa
     return spec, ranked
 
 
+def _budget_that_plans(metrics: dict, engine: str, budgets: list[str]) -> str | None:
+    """The first of ``budgets`` that ``engine`` can plan within from this scan (the scan's first spec, else the
+    engine's own scanned types in scan order: a uniform plan of one fits its own memory); None when none does or
+    the engine runs none of the scanned types."""
+    from kveval.errors import KvevalError
+    from kveval.tasks.sensitivity.planner import plan
+
+    if len(budgets) < 2:  # the engine runs none of the scanned types
+        return None
+    for budget in budgets:
+        try:
+            plan(metrics, budget, engine=engine)
+        except KvevalError:
+            continue
+        return budget
+    return None
+
+
 def closing_lines(metrics: dict, scan_dir: str) -> list[str]:
     """The lines ``kveval scan`` ends with (the module docstring)."""
     from kveval.engines.tables import ENGINES
@@ -46,9 +64,12 @@ def closing_lines(metrics: dict, scan_dir: str) -> list[str]:
     where = shlex.quote(str(scan_dir))
     lines.append(f"next: kveval plan {where} --budget {shlex.quote(budget)}   (a mixed policy within the memory of "
                  f"{budget}; --budget also takes 4.5 bits/element, 35KiB/token, 28%)")
-    engines = [e for e, eng in ENGINES.items() if [s for s in eng.candidates(scanned) if s != "none"]]
-    for e in engines:
-        lines.append(f"      kveval plan {where} --budget {shlex.quote(budget)} --engine {e}")
+    engines = []
+    for e, eng in ENGINES.items():
+        own = _budget_that_plans(metrics, e, [budget, *[s for s in eng.candidates(scanned) if s != "none"]])
+        if own is not None:  # a printed command runs: the budget is one the engine can plan within
+            engines.append(e)
+            lines.append(f"      kveval plan {where} --budget {shlex.quote(own)} --engine {e}")
     missing = [e for e in ("vllm", "llamacpp") if e not in engines]
     if missing:
         lines.append(f"      (no plan for {' or '.join(missing)} from this scan: kveval scan CONFIG --engine "
