@@ -59,15 +59,13 @@ def own_context(model: str | None, shape: str | None) -> tuple[int, str]:
         entry = NAMED_SHAPES.get(shape)
         own = entry["config"].get("max_position_embeddings") if entry else None
     elif model is not None:
-        from kveval.models.info import context_limit_of
+        from kveval.models.info import config_context_limit, context_limit_of
 
         own = context_limit_of(model)
         if own is None and not str(model).startswith("builtin:"):
             from kveval.models import model_config
-            from kveval.models.checks import text_config
 
-            value = getattr(text_config(model_config(str(model))), "max_position_embeddings", None)
-            own = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+            own = config_context_limit(model_config(str(model)))  # as kveval run reads it (model_context_limit)
     if own is None:
         return DEFAULT_CONTEXT, " (the default: the model names no context of its own; --context N for another)"
     from kveval.units import MAX_COUNT

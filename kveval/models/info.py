@@ -20,15 +20,21 @@ from kveval.models.source import model_source
 CONTEXT_LIMIT_FALLBACK = 2048  # used by model_context_limit when the config names no limit
 
 
-def model_context_limit(model) -> int:
-    """The longest context the model was built for: ``config.max_position_embeddings`` (else ``n_positions``,
-    ``max_sequence_length``, ``seq_length``), falling back to ``CONTEXT_LIMIT_FALLBACK`` (2048)."""
-    cfg = text_config(model.config)
+def config_context_limit(config) -> int | None:
+    """The longest context a transformers config names: ``max_position_embeddings`` (else ``n_positions``,
+    ``max_sequence_length``, ``seq_length``) of its text config; None when it names none."""
+    cfg = text_config(config)
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(cfg, attr, None)
-        if isinstance(value, int) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-    return CONTEXT_LIMIT_FALLBACK
+    return None
+
+
+def model_context_limit(model) -> int:
+    """The longest context the model was built for (:func:`config_context_limit`), falling back to
+    ``CONTEXT_LIMIT_FALLBACK`` (2048)."""
+    return config_context_limit(model.config) or CONTEXT_LIMIT_FALLBACK
 
 
 def model_arch(model) -> Arch:

@@ -47,7 +47,6 @@ from kveval.fileio import (
     atomic_write_text,
     end_with_newline,
     open_regular,
-    read_regular_bytes,
     scan_jsonl,
 )
 from kveval.results.checks import (
@@ -399,10 +398,12 @@ class RunDir:
         """What the folder's ``env.json`` says of this run's earlier parts, read before a resumed run rewrites it:
         ``{"first_started": ISO, "seconds": s, "parts": n}`` (an interrupted part counts until its last record);
         ``{}`` for a new folder or an env.json that cannot be read."""
+        from kveval.results.read import read_env  # the reading side: a FIFO or corrupt file is a KvevalError
+
         try:
-            env = json.loads(read_regular_bytes(self.path / ENV_FILE).decode("utf-8"))  # never a FIFO
+            env = read_env(self.path)
             started = datetime.fromisoformat(env["started"])
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        except (KvevalError, ValueError, KeyError, TypeError, RecursionError):
             return {}
         seconds = env.get("seconds")
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e9:
