@@ -1,7 +1,7 @@
 """The harness's own overhead: whole-run time of a config against the time of its bare forward passes, and where
 the rest goes.
 
-    .venv/bin/python bench/bench_run_overhead.py [configs/int4_g64.yaml]
+    .venv/bin/python bench/bench_run_overhead.py [configs/int4_g64.yaml] [-s KEY=VALUE ...]
 
 Both in one process, after a warm-up: (1) ``run_experiment`` into a fresh temporary folder (model load from the
 warm cache, tokens, calibration, windows, metrics, records, aggregation, the report); (2) the same forward passes
@@ -107,10 +107,11 @@ def timed_stages(clock: StageClock, model):
             setattr(m, n, original)
 
 
-def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "configs/int4_g64.yaml"
+def overhead(path: str, overrides: list[str] | None = None, report: bool = False) -> tuple[float, float, StageClock]:
+    """(whole-run seconds, bare forward-pass seconds, the stage clock) of the config at ``path`` with ``-s``
+    ``overrides``; ``report``: print the stage table."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(path, [f"output={tmp}/run"])
+        cfg = load_config(path, [*(overrides or []), f"output={tmp}/run"])
         params = cfg.tasks[0].params
         model, tok = load_model(cfg.model.name, dtype=cfg.model.dtype)
         tokens = load_tokens(cfg.data.source, tok)
@@ -124,16 +125,17 @@ def main() -> None:
         with timed_stages(clock, model):
             run_experiment(cfg, quiet=True)
         whole = time.perf_counter() - t0
-        print(f"{path}: whole run {whole:.1f} s, {torch.get_num_threads()} threads")
-        print(f"{'stage':<28} {'wall s':>8} {'of it forwards s':>17}")
-        scoring = clock.forward.get("scoring", 0.0)
-        print(f"{'scoring forward passes':<28} {scoring:8.1f} {scoring:17.1f}")
-        accounted = scoring
-        for _, _, stage in STAGES:
-            wall = clock.wall.get(stage, 0.0)
-            accounted += wall
-            print(f"{stage:<28} {wall:8.1f} {clock.forward.get(stage, 0.0):17.1f}")
-        print(f"{'the rest (records, checks)':<28} {whole - accounted:8.1f}", flush=True)
+        if report:
+            print(f"{path}: whole run {whole:.1f} s, {torch.get_num_threads()} threads")
+            print(f"{'stage':<28} {'wall s':>8} {'of it forwards s':>17}")
+            scoring = clock.forward.get("scoring", 0.0)
+            print(f"{'scoring forward passes':<28} {scoring:8.1f} {scoring:17.1f}")
+            accounted = scoring
+            for _, _, stage in STAGES:
+                wall = clock.wall.get(stage, 0.0)
+                accounted += wall
+                print(f"{stage:<28} {wall:8.1f} {clock.forward.get(stage, 0.0):17.1f}")
+            print(f"{'the rest (records, checks)':<28} {whole - accounted:8.1f}", flush=True)
 
         scales = Path(tmp) / "run" / SCALES_FILE  # what the run calibrated for its ``scales: auto`` policies
         policies = {n: replace(p, scales=str(scales)) if p.scales == AUTO_SCALES else p for n, p in policies.items()}
@@ -145,9 +147,18 @@ def main() -> None:
                     with emulate(model, policy):
                         model(w.input_ids[None])
         bare = time.perf_counter() - t0
-    n = len(windows) * (1 + len(policies))
-    print(f"{len(windows)} windows x {1 + len(policies)} passes = {n} forward passes: bare {bare:.1f} s, "
-          f"harness overhead {100 * (whole / bare - 1):+.1f}% (whole run / bare forward passes - 1)")
+    if report:
+        n = len(windows) * (1 + len(policies))
+        print(f"{len(windows)} windows x {1 + len(policies)} passes = {n} forward passes: bare {bare:.1f} s, "
+              f"harness overhead {100 * (whole / bare - 1):+.1f}% (whole run / bare forward passes - 1)")
+    return whole, bare, clock
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    path = args[0] if args and not args[0].startswith("-") else "configs/int4_g64.yaml"
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "-s" and i + 1 < len(args)]
+    overhead(path, sets, report=True)
 
 
 if __name__ == "__main__":

@@ -43,3 +43,37 @@ def test_bench_presets_takes_the_names_its_table_prints():
     assert got["spec:q4_1"].key.describe() == got["spec:q4_1"].value.describe() == KVPolicy.from_config(
         {"spec": "q4_1"}).key.describe()
     assert isinstance(got["no_such_preset"], str) and "no_such_preset" in got["no_such_preset"]
+
+
+def test_the_speed_table_runs_every_row_at_its_tiny_size(tmp_path, capsys, monkeypatch):
+    """``python -m bench.speed_table --size tiny`` measures every row (issue #55's table) and writes them as JSON;
+    its numbers are not asserted (timings are not stable in CI), only that each row measured a positive ratio
+    and names a command that exists, with the flags the benchmark takes."""
+    import json
+    import sys
+
+    root = BENCH[0].parent.parent
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root))
+    from bench import speed_table
+
+    out = tmp_path / "rows.json"
+    rows = speed_table.main(["--size", "tiny", "--rows", ",".join(speed_table.ROWS), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.startswith("tiny size") and printed.count("\n| ") == len(rows) + 1
+    saved = json.loads(out.read_text())
+    assert [r["what"] for r in saved] == [r.what for r in rows]
+    assert len(rows) >= 12 and all(r.value > 0 for r in rows)
+    for row in rows:
+        words = row.command.split()
+        if words[:2] == ["python", "-m"]:
+            assert words[2] == "bench.speed_table"
+            continue
+        if words[0] == "kveval":
+            continue
+        script = root / words[1]
+        assert script.exists(), row.command
+        flags = {w for w in words if w.startswith("--")}
+        source = script.read_text()
+        assert all(f'"{flag}"' in source for flag in flags), row.command
+    assert sys.modules["bench.speed_table"] is speed_table

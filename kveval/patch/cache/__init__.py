@@ -46,14 +46,15 @@ cache holds), the same numbers (tested bit for bit in float64):
   memory than an unquantized cache. For speed where memory does not matter (the tasks' generation).
 
 In both, the packed codes and scales of the tokens quantized in one call (by all rows that quantize the same
-positions, in one quantize call) form a ``StoredChunk``; consecutive chunks are merged in a binary-counter
+positions, in one quantize call; on the buffered path, by every layer whose quantizer is the same, in one call at
+the end of the model call, ``flush_batch``) form a ``StoredChunk``; consecutive chunks are merged in a binary-counter
 pattern, so each token's codes are copied O(log n) times in all. Which rows quantize which positions at a call is
 computed once per call and shared by all layers.
 
 The modules: ``storage`` (``StoredChunk``, ``StoredPiece``, ``TensorStore``: what a layer stores per tensor kind),
 ``schedule`` (``RowPositions``: which positions each row holds quantized), ``buffers`` (buffer growth, the RoPE
 table), ``layer`` (``QuantizedKVLayer``, the one layer class: schedule, flush, eviction, byte accounting, refusals;
-``ReadPath``, the interface of the read path it holds), ``read_paths`` (``LeanReadPath``, ``BufferedReadPath``),
+``ReadPath``, the interface of the read path it holds), ``flush_batch`` (``FlushBatch``: the layers' flushes of one call quantized together), ``read_paths`` (``LeanReadPath``, ``BufferedReadPath``),
 ``hybrid`` (``QuantizedHybridLayer``: a layer that also holds a linear-attention / Mamba state), ``holdings``
 (``LayerHoldings``, a read-only view of what a layer holds, for tests and tools), ``quantized_cache``
 (``QuantizedKVCache``, ``READ_PATHS``, ``decode_logits``) and ``measure`` (``resident_nbytes``, ``watch_peak``,

@@ -39,6 +39,7 @@ class LayerHoldings:
     (``RowPositions``)."""
 
     def __init__(self, layer: QuantizedKVLayer):
+        layer.settle()  # a call stopped before its last layer: its queued flushes first
         self.layer = layer
 
     def held(self, kind: str) -> torch.Tensor:

@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicLayer
 from kveval.errors import KvevalError
 from kveval.patch import attention as attn
 from kveval.patch.cache.buffers import RopeTable
+from kveval.patch.cache.flush_batch import FlushBatch, FlushJob, deferrable, quantize_together, together
 from kveval.patch.cache.schedule import RowPositions, row_pads
 from kveval.patch.cache.storage import TensorStore
 from kveval.patch.quantizers import TensorQuantizer
@@ -38,6 +39,9 @@ class ReadPath(ABC):
     #: whether eviction copies what it keeps of a cut piece into tensors of its size (a slice keeps the forgotten
     #: bytes alive)
     evict_copies: ClassVar[bool]
+    #: whether the read buffers (``TensorStore.view``, ``raw``) outlive a call: a flush may then wait for the end of
+    #: the call (``kveval.patch.cache.flush_batch``)
+    keeps_buffers: ClassVar[bool]
 
     def __init__(self, reserve: int | None = None):
         self.reserve = reserve
@@ -78,6 +82,7 @@ class LayerSetup:
     module: torch.nn.Module | None = None
     implementation: str | None = None
     plans: dict = field(default_factory=dict)
+    flushes: FlushBatch | None = None
 
 
 class QuantizedKVLayer(DynamicLayer):
@@ -172,6 +177,8 @@ class QuantizedKVLayer(DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.setup.flushes is not None and self.setup.flushes.holds(self):
+            self.setup.flushes.run()  # the last call stopped before its last layer: quantize what it left first
         n_new = key_states.shape[-2]
         n0, n1 = self.n_stored, self.n_stored + n_new
         if self.prompt is None:
@@ -190,23 +197,25 @@ class QuantizedKVLayer(DynamicLayer):
         fresh = {store.kind: store.store_new(x, n0, n1, base, new_rope)
                  for store, x in ((self.stores["key"], key_states), (self.stores["value"], value_states))}
         self.n_stored = n1
+        stores = (self.stores["key"], self.stores["value"])
         out: list[torch.Tensor] = []
-        for store in (self.stores["key"], self.stores["value"]):
+        for store in stores:
             assert store.view is not None
             if prefill_fp:  # the new tokens in full precision, after what the cache held before this call
-                read = fresh[store.kind] if n0 == 0 else torch.cat(
-                    [store.view[:, :, ev - base:n0 - base], fresh[store.kind]], dim=-2)
+                out.append(fresh[store.kind] if n0 == 0 else torch.cat(
+                    [store.view[:, :, ev - base:n0 - base], fresh[store.kind]], dim=-2))
             else:
-                read = store.view[:, :, ev - base:n1 - base]
-            # the schedule of kveval.policy.masks (Schedule.read_quantized_end), per tensor: sliding mode stores
-            # then reads; the other modes read, then quantize what this call completed (its queries saw it in full
-            # precision): their read-back values reach the read buffer at the next call
-            self._flush(store, n0, defer=store.sched.reads_first)
-            if prefill_fp:
-                read = self._single_token_rows(store, read, n0, n1)
-            out.append(read)
+                out.append(store.view[:, :, ev - base:n1 - base])  # a view: it reads what the flush writes
+        # the schedule of kveval.policy.masks (Schedule.read_quantized_end), per tensor: sliding mode stores then
+        # reads; the other modes read, then quantize what this call completed (its queries saw it in full
+        # precision): their read-back values reach the read buffer at the next call
+        self._flush(n0)
+        if prefill_fp:
+            out = [self._single_token_rows(store, read, n0, n1) for store, read in zip(stores, out)]
         self._evict()
         self.read_path.close_call(self)  # ``out`` keeps what the read path drops alive until attention has read it
+        if self.setup.flushes is not None and self.setup.flushes.last is self:
+            self.setup.flushes.run()  # the call's last quantized layer: what every layer queued, together
         return out[0], out[1]
 
     def _single_token_rows(self, store: TensorStore, read: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
@@ -223,19 +232,36 @@ class QuantizedKVLayer(DynamicLayer):
         read[index] = sched_read[index]
         return read
 
-    def _flush(self, store: TensorStore, n0: int, defer: bool) -> None:
-        """Quantize the positions that left ``store``'s residual in this call, from ``n0`` to ``n_stored``
-        positions (``TensorStore.flush``), as planned by ``RowPositions.flush_plan``: a plan is shared by the
-        layers of one cache (the same for every layer with this schedule and eviction state)."""
-        if store.q.is_none:  # a tensor kept in full precision: the read buffer already holds it
-            return
+    def _flush(self, n0: int) -> None:
+        """Quantize the positions that left the keys' and the values' residual in this call, from ``n0`` to
+        ``n_stored`` positions, as planned by ``RowPositions.flush_plan`` (a plan is shared by the layers of one
+        cache: the same for every layer with this schedule and eviction state). Where the two are quantized alike
+        (``flush_batch.together``), in one call; a flush that can wait for the end of the model call
+        (``flush_batch.deferrable``) goes to the cache's ``FlushBatch``; any other, ``TensorStore.flush``."""
         positions, plans = self.positions(), self.setup.plans
-        plan = plans.get((store.sched, n0, positions))
-        if plan is None:
-            if len(plans) > 256:
-                plans.clear()
-            plan = plans[(store.sched, n0, positions)] = positions.flush_plan(store.sched, n0)
-        store.flush(plan, self.base, self.rope, self.read_path.keeps_read_back(defer), defer)
+        jobs: list[FlushJob] = []
+        for store in (self.stores["key"], self.stores["value"]):
+            if store.q.is_none:  # a tensor kept in full precision: the read buffer already holds it
+                continue
+            plan = plans.get((store.sched, n0, positions))
+            if plan is None:
+                if len(plans) > 256:
+                    plans.clear()
+                plan = plans[(store.sched, n0, positions)] = positions.flush_plan(store.sched, n0)
+            if not plan:
+                continue
+            defer = store.sched.reads_first
+            job = FlushJob(store, plan, self.read_path.keeps_read_back(defer), defer)
+            if self.setup.flushes is not None and deferrable(self, job):
+                self.setup.flushes.add(self, job)  # quantized with the other layers' at the end of the call
+            else:
+                jobs.append(job)
+        if len(jobs) == 2 and together(*jobs):
+            for rows, start, end in jobs[0].plan:
+                quantize_together([(self, job) for job in jobs], rows, start, end)
+            return
+        for job in jobs:
+            job.store.flush(job.plan, self.base, self.rope, job.keep, job.defer)
 
     def _evict(self) -> None:
         """Forget the positions older than the window's (sliding-window layers; see the class docstring)."""
@@ -249,6 +275,12 @@ class QuantizedKVLayer(DynamicLayer):
             store.evict(lo, copy=self.read_path.evict_copies)
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Run the flushes the cache's layers queued and did not run yet (a call stopped before its last layer):
+        before anything reads what the stores hold."""
+        if self.setup.flushes is not None and self.setup.flushes.queued:
+            self.setup.flushes.run()
+
     def get_seq_length(self) -> int:
         return self.n_stored
 
@@ -257,6 +289,7 @@ class QuantizedKVLayer(DynamicLayer):
         (full-precision tokens: sinks, residual windows, and tensors whose spec is ``none``), summed over the rows'
         real tokens (padding positions are not held)."""
         out = {"codes": 0, "scales": 0, "residual": 0}
+        self.settle()
         if not self.is_initialized:
             return {**out, "total": 0}
         positions = self.positions()
@@ -297,6 +330,7 @@ class QuantizedKVLayer(DynamicLayer):
     def reset(self) -> None:
         """Empty the layer: nothing stored, as when it was built (its setup and the left padding it knows now
         kept)."""
+        self.settle()  # nothing of this layer left waiting in the cache's batch
         self.keys = self.values = None
         self.is_initialized = False
         self._empty()

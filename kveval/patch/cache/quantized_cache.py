@@ -24,6 +24,7 @@ from transformers.cache_utils import (
 
 from kveval.errors import KvevalError
 from kveval.patch import attention as attn
+from kveval.patch.cache.flush_batch import FlushBatch
 from kveval.patch.cache.hybrid import QuantizedHybridLayer
 from kveval.patch.cache.layer import LayerSetup, QuantizedKVLayer, ReadPath
 from kveval.patch.cache.measure import state_nbytes
@@ -113,6 +114,7 @@ class QuantizedKVCache(Cache):
             raise KvevalError(f"transformers builds {len(stock)} cache layers for this model's {arch.layers} layers; "
                               "kveval does not model this design")
         plans: dict = {}
+        flushes = FlushBatch()  # the flushes of one call, quantized together (``kveval.patch.cache.flush_batch``)
         layers: list = []
         for i, layer in enumerate(stock):
             if type(layer) in _KEPT_LAYERS and i not in mq.modules:
@@ -126,12 +128,13 @@ class QuantizedKVCache(Cache):
             k_q, v_q = mq.quantizers[i]
             setup = LayerSetup(k_q, v_q, policy, read_path, window=window, module=mq.modules[i],
                                implementation=base if k_q.hooks_attention or v_q.hooks_attention else None,
-                               plans=plans)
+                               plans=plans, flushes=flushes)
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 layers.append(QuantizedHybridLayer(setup, left_padding, number_of_states=layer.number_of_states))
             else:
                 layers.append(QuantizedKVLayer(setup, left_padding))
         super().__init__(layers=layers)
+        flushes.last = next((la for la in reversed(layers) if isinstance(la, QuantizedKVLayer)), None)
         self.policy, self.read = policy, read
         self.left_padding = None if left_padding is None else list(left_padding)
         attending = {mq.modules[i]: la for i, la in enumerate(layers)

@@ -25,6 +25,7 @@ class LeanReadPath(ReadPath):
     and drops it: the peak is the bill plus one layer's full-precision history."""
 
     evict_copies = True  # what eviction keeps of a piece, in tensors of its size: the bill, nothing more
+    keeps_buffers = False  # the read buffers are dropped at the end of each call
 
     def capacity_for(self, capacity: int, need: int) -> int:
         return need  # the RoPE table holds exactly the positions held
@@ -100,6 +101,7 @@ class BufferedReadPath(ReadPath):
     precision besides its codes."""
 
     evict_copies = False  # the read buffers hold every position anyway; compacted when they run out of room
+    keeps_buffers = True
 
     def capacity_for(self, capacity: int, need: int) -> int:
         return grown_capacity(capacity, need, self.reserve)

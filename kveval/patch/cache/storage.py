@@ -83,6 +83,19 @@ class StoredChunk:
         return StoredChunk(qt=qt, packed=torch.cat([self.packed, other.packed], dim=2), n_codes=self.n_codes,
                            decoded=decoded)
 
+    def rows(self, lo: int, hi: int) -> StoredChunk:
+        """The chunk of batch rows ``[lo, hi)`` (views: a chunk quantized for several layers at once, cut back into
+        each layer's, ``kveval.patch.cache.flush_batch``). Dynamic scales only: every tensor carries rows on dim 0."""
+        assert not self.static, "static scales are kept once per layer, not per row"
+
+        def cut(x):
+            return None if x is None else x[lo:hi]
+
+        a = self.qt
+        qt = replace(a, scale=cut(a.scale), zero_point=cut(a.zero_point), shape=torch.Size([hi - lo, *a.shape[1:]]),
+                     outlier_values=cut(a.outlier_values), outlier_index=cut(a.outlier_index))
+        return StoredChunk(qt=qt, packed=self.packed[lo:hi], n_codes=self.n_codes, decoded=cut(self.decoded))
+
     def read_storage(self) -> torch.Tensor:
         """Unpack (``spec.fmt.unpack``) and dequantize everything stored: ``[batch, kv_heads, tokens,
         head_dim]``."""
