@@ -290,6 +290,30 @@ def scan(
 
 @app.command()
 @user_errors
+def inspect(
+    target: Annotated[str, typer.Argument(metavar="CONFIG_OR_MODEL", help="A config (its model, corpus and policies) or a model (builtin:..., a folder, a hub id, a .gguf file).")],
+    overrides: OverrideOpt = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Folder to write (default results/<name>-inspect).")] = None,
+    model: Annotated[str | None, typer.Option(help="The model, in place of the config's.")] = None,
+    data: Annotated[str | None, typer.Option(help="The corpus, in place of the config's (builtin, wikitext2, a file).")] = None,
+    kv: Annotated[list[str] | None, typer.Option(help="A policy to inspect, in place of the config's (repeatable).")] = None,
+    tokens: Annotated[int, typer.Option(help="Corpus tokens to capture, from its start.")] = 1024,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per window, one forward pass each (default: the config's perplexity seq_len, else 512).")] = None,
+    against: Annotated[Path | None, typer.Option(help="A kveval scan folder: the predicted sensitivity's rank correlation with it.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    allow_code: AllowCodeOpt = False,
+):
+    """Before any run: where the model's keys and values break each format, why, and what to choose instead."""
+    from kveval.commands.inspect import inspect_command
+    from kveval.config import code_allowed
+
+    with code_allowed(allow_code):
+        inspect_command(target, overrides, checked_output(output), model=model, data=data, kv=kv, tokens=tokens,
+                        seq_len=seq_len, against=str(against) if against else None, quiet=quiet)
+
+
+@app.command()
+@user_errors
 def plan(
     scan_dir: Annotated[Path, typer.Argument(help="Results folder of a scan.")],
     budget: Annotated[str, typer.Option(help="4.5 (bits/element), 35KiB/token, 0.28x or 28% of FP16, or a preset (int4_g64).")],
@@ -299,6 +323,8 @@ def plan(
     allow_fp: Annotated[bool, typer.Option(help="Allow full precision (none) as a per-layer choice.")] = False,
     engine: Annotated[str | None, typer.Option(
         help="Plan only what this engine can run: vllm, llamacpp, sglang, trtllm, transformers.")] = None,
+    from_inspect: Annotated[bool, typer.Option(
+        help="SCAN_DIR is a kveval inspect folder: plan from its predicted sensitivity, not a measured scan.")] = False,
 ):
     """Mixed precision under a memory budget, from a scan: writes a ready-to-run config."""
     from kveval.commands.plan import plan_command
@@ -308,7 +334,7 @@ def plan(
     check_engine_names([engine] if engine else None)
     plan_command(str(scan_dir), budget, str(out) if out else None,
                  context=None if context is None else parse_count(context, "--context"), allow_fp=allow_fp,
-                 engine=engine)
+                 engine=engine, from_inspect=from_inspect)
 
 
 @app.command()

@@ -434,3 +434,31 @@ def samples_to_resolve(threshold_points: float) -> int:
     if threshold_points <= 0:
         return 0
     return int(math.ceil((MDE_FACTOR * binomial_sd_points(threshold_points) / threshold_points) ** 2))
+
+
+def average_ranks(values) -> np.ndarray:
+    """Ranks 1..n of ``values``, ties given the mean of the ranks they span (as Spearman's correlation needs)."""
+    x = np.asarray(values, dtype=np.float64)
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=np.float64)
+    i = 0
+    while i < len(x):
+        j = i
+        while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    return ranks
+
+
+def spearman(a, b) -> float | None:
+    """Spearman's rank correlation of two equally long sequences (Pearson's correlation of their average ranks);
+    None with fewer than 3 pairs or when either side is constant."""
+    if len(a) != len(b):
+        raise ValueError(f"spearman: {len(a)} values against {len(b)}")
+    if len(a) < 3:
+        return None
+    ra, rb = average_ranks(a), average_ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = float(np.sqrt((ra * ra).sum() * (rb * rb).sum()))
+    return float((ra * rb).sum() / den) if den > 0 else None

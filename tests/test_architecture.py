@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kveval.engines",),  # what each serving engine runs, a policy in its syntax, its costs
     ("kveval.patch", "kveval.weights", "kveval.results"),  # model plumbing; weight variants; run folders
     ("kveval.report",),  # tables, figures, reports; the tasks' reporting plug-ins build on it
-    ("kveval.tasks", "kveval.calibration", "kveval.parity"),  # evaluators; the calibration run; parity runs
+    ("kveval.tasks", "kveval.calibration", "kveval.parity", "kveval.inspect"),  # evaluators; calibration; parity; inspect
     ("kveval.config",),  # the closed experiment schema (built from the tasks' parameters)
     ("kveval.sweep",),  # many runs
     ("kveval.commands",),  # the body of each verb

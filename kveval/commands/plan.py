@@ -12,6 +12,7 @@ import yaml
 from kveval.errors import KvevalError
 from kveval.memory import fp16_bytes, kv_bytes
 from kveval.policy.plan_file import PlanFile, PlannedLayer, UniformPlan
+from kveval.policy.selectors import layer_ranges
 from kveval.results.layout import CONFIG_FILE
 from kveval.tasks.sensitivity.planner import (
     GENERATED_DIR,
@@ -27,17 +28,6 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]+", "_", text).strip("_") or "plan"
 
 
-def layer_ranges(layers) -> str:
-    """Layer indices as runs: ``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
-    runs: list[list[int]] = []
-    for i in sorted(layers):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def _check_same_model(scan_dir: Path, resolved: dict, metrics: dict) -> None:
     """KvevalError when the scan folder's config and metrics name different models (files of two runs mixed by
     hand): a plan needs to know which model it was measured on."""
@@ -50,11 +40,14 @@ def _check_same_model(scan_dir: Path, resolved: dict, metrics: dict) -> None:
 
 
 def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context: int | None = None,
-                 allow_fp: bool = False, eval_tokens: int = 4096, engine: str | None = None) -> str:
+                 allow_fp: bool = False, eval_tokens: int = 4096, engine: str | None = None,
+                 from_inspect: bool = False) -> str:
     """``kveval plan SCAN_DIR --budget B [--out PATH] [--engine E]``: write a ready-to-run config and
     ``<name>.plan.json`` beside it; print a summary; return the config's path. ``engine``: plan only among the
     policies that engine can run (:func:`kveval.tasks.sensitivity.planner.engine_plan`; ``kveval deploy`` prints
-    its flags).
+    its flags). ``from_inspect``: ``scan_dir`` is a ``kveval inspect`` folder, whose sensitivity is predicted
+    (stated as such in the config's header and the summary); a scan folder is then refused, as an inspect folder is
+    without it.
 
     Bad input is one KvevalError line before anything is written: a scan whose metrics.json misses fields or holds
     wrong ones (:func:`kveval.tasks.sensitivity.planner.check_scan`), a budget below the smallest plan, a context
@@ -65,6 +58,14 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     metrics = read_metrics(scan_dir)
     resolved = read_config(scan_dir)
     _check_same_model(scan_dir, resolved, metrics)
+    predicted = isinstance(metrics, dict) and isinstance(metrics.get("sensitivity"), dict) and bool(
+        metrics["sensitivity"].get("predicted"))
+    if predicted and not from_inspect:
+        raise KvevalError(f"{scan_dir} holds kveval inspect's predicted sensitivity, not a scan; plan from it with "
+                          f"--from-inspect, or measure it: kveval scan CONFIG")
+    if from_inspect and not predicted:
+        raise KvevalError(f"--from-inspect: {scan_dir} is not a kveval inspect folder (its metrics.json holds no "
+                          "predicted sensitivity); drop --from-inspect to plan from a scan")
     try:
         p = plan(metrics, budget, context=context, allow_fp=allow_fp, engine=engine)
     except MissingEngineSpecs as exc:
@@ -109,7 +110,7 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     validate(config, str(path))  # the written config must load
     for target in (path, path.with_name(path.stem + ".plan.json")):  # before writing either file
         check_writable_path(target, "--out", folder=False)
-    cmd = f"kveval plan {scan_dir} --budget {p.budget.text}"
+    cmd = f"kveval plan {scan_dir} --budget {p.budget.text}" + (" --from-inspect" if from_inspect else "")
     predictions = {s: uniform_prediction(metrics, s) for s in uniform}
     header = [
         f"# kveval run {path.as_posix()}",
@@ -117,7 +118,10 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
         f"# Budget {p.budget.describe(p.arch, p.context)}",
         f"# Planned: {p.total_bytes} B at {p.context} tokens = {p.bits_per_element:.4f} bits/element, "
         f"{p.total_bytes / p.context:.1f} B/token, {p.total_bytes / fp16:.4f}x FP16 (scales included)",
-        f"# predicted_kld_sum: {p.predicted_kld_sum:.6g}  (sum of the scanned per-cell mean KLDs; cells assumed additive)",
+        (f"# predicted_kld_sum: {p.predicted_kld_sum:.6g}  (sum of the per-cell KLDs PREDICTED by kveval inspect from "
+         "the attention-output error of each layer, scaled to one measured uniform pass per spec; not a scan)"
+         if from_inspect else
+         f"# predicted_kld_sum: {p.predicted_kld_sum:.6g}  (sum of the scanned per-cell mean KLDs; cells assumed additive)"),
         f"# predicted_delta_ppl_pct: {p.predicted_delta_ppl_pct:.4g}",
         *[f"# uniform {s}: {bills[s].bits_per_element:.4f} bits/element, predicted_kld_sum {predictions[s]:.6g}"
           for s in uniform],
@@ -148,7 +152,8 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     atomic_write_text(path, text)
     plan_file.write(path.with_name(path.stem + ".plan.json"))
     counts = {s: (p.key.count(s), p.value.count(s)) for s in dict.fromkeys(p.key + p.value)}
-    print(f"plan under {p.budget.describe(p.arch, p.context)}")
+    print(f"plan under {p.budget.describe(p.arch, p.context)}"
+          + (" (from kveval inspect's predicted sensitivity, not a scan)" if from_inspect else ""))
     print(f"  planned: {p.bits_per_element:.4f} bits/element, predicted summed KLD {p.predicted_kld_sum:.4g}, "
           f"predicted ΔPPL {p.predicted_delta_ppl_pct:+.3f}%")
     print("  layers per spec (K, V): " + ", ".join(f"{s} {k}/{v}" for s, (k, v) in counts.items()))

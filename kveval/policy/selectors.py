@@ -63,3 +63,14 @@ def layers_of(selector: str | int, num_layers: int) -> list[int]:
         raise KvevalError(f"layer selector '{selector}' names layer {bad[0]}, but the model has {num_layers} layers "
                           f"(0-{num_layers - 1})")
     return sorted(set(indices))
+
+
+def layer_ranges(layers) -> str:
+    """Layer indices as runs, the inverse of a selector's ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
