@@ -106,6 +106,10 @@ def test_changes_apply_only_where_they_mean_something():
         preset("int4_g32")
     assert change_config("llamacpp_q4_0", KVPolicy.preset("llamacpp_q4_0"), "rotate") is None  # rotates already
     assert change_config("int8", int8, "key_int8") is None  # 8 bits already
+    kivi_like = KVPolicy.from_config(change_config("int4_g64", KVPolicy.preset("int4_g64"), "channel_key"))
+    assert (kivi_like.key, kivi_like.value, kivi_like.residual, kivi_like.residual_mode) == (
+        preset("int4_channel").replace(group_size=32), preset("int4_g64"), 32, ("block", "sliding"))
+    assert change_config("kivi2", KVPolicy.preset("kivi2"), "channel_key") is None  # a schedule of its own already
     names = [v.name for v in variants("int4_g64", "int4_g64", KVPolicy.preset("int4_g64"))[0]]
     assert names[:3] == ["int4_g64", "int4_g64+keys_only", "int4_g64+values_only"]
     alone = variants("kivi2", "kivi2", KVPolicy.preset("kivi2"))[0][1].policy
@@ -406,3 +410,26 @@ def test_the_builtin_model_under_the_main_config(tmp_path):
         checked = CliRunner().invoke(app, ["validate", *shlex.split(line)[2:]])
         assert checked.exit_code == 0, (line, checked.output)
     assert doc["sensitivity"]["predicted"] is True and len(doc["sensitivity"]["cells"]) == 2 * 30 * 2
+
+
+def test_dominant_tokens_are_named_by_window_position_and_text():
+    from kveval.inspect.analysis import _Gathered
+    from kveval.inspect.capture import LayerCall, Window
+    from kveval.inspect.measure import scaling_of
+
+    class Tok:
+        def decode(self, ids):
+            return f"<{ids[0]}>"
+
+    g = torch.Generator().manual_seed(4)
+    gathered = _Gathered()
+    for w in range(2):
+        key = torch.randn(1, 1, 16, 8, generator=g)
+        if w == 1:
+            key[0, 0, 3] *= 40.0  # window 1, position 3
+        call = LayerCall(None, torch.randn(1, 2, 16, 8, generator=g), key, torch.randn(1, 1, 16, 8, generator=g),
+                         None, None, torch.zeros(1, 16, 2, 8), None, (), {"scaling": 0.3})
+        gathered.add(w, Window(torch.arange(100 * w, 100 * w + 16)[None], calls={0: call}), scaling_of)
+    heads = gathered.profiles(Tok())[0]["key"]
+    assert heads[0]["dominant_tokens"] == [{"window": 1, "position": 3, "text": "<103>"}]
+    assert heads[0]["token_ratio"] > 6 and gathered.profiles(Tok())[0]["value"][0]["dominant_tokens"] == []

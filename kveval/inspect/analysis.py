@@ -52,9 +52,11 @@ class _Gathered:
         self.mass: dict[int, list[torch.Tensor]] = {}
         self.massive: dict[int, dict] = {}  # by position in the window
         self.windows = 0
+        self.ids: list[torch.Tensor] = []
 
     def add(self, w: int, window: Window, scaling: Callable) -> None:
         self.windows += 1
+        self.ids.append(window.ids[0])
         for i, call in window.calls.items():
             parts = self.kv.setdefault(i, {"key": [], "key_pre_rope": [], "value": []})
             parts["key"].append(call.key[0].float())
@@ -75,9 +77,22 @@ class _Gathered:
                 if t["ratio"] > entry["ratio"]:
                     entry.update(ratio=t["ratio"], channel=t["channel"])
 
-    def profiles(self) -> dict[int, dict[str, list[dict]]]:
-        return {i: {k: dist.tensor_profile(torch.cat(v, dim=1)) for k, v in parts.items() if v}
-                for i, parts in sorted(self.kv.items())}
+    def profiles(self, tokenizer) -> dict[int, dict[str, list[dict]]]:
+        """Each layer's head profiles, their dominant tokens named by window, position and text."""
+        out = {i: {k: dist.tensor_profile(torch.cat(v, dim=1)) for k, v in parts.items() if v}
+               for i, parts in sorted(self.kv.items())}
+        starts = [0]
+        for ids in self.ids:
+            starts.append(starts[-1] + int(ids.shape[0]))
+        for heads in (h for kinds in out.values() for hs in kinds.values() for h in hs):
+            named = []
+            for t in heads["dominant_tokens"]:
+                w = max(j for j in range(len(self.ids)) if starts[j] <= t)
+                token = int(self.ids[w][t - starts[w]])
+                named.append({"window": w, "position": t - starts[w],
+                              "text": tokenizer.decode([token]) if tokenizer is not None else str(token)})
+            heads["dominant_tokens"] = named
+        return out
 
     def first_mass(self) -> dict[int, list[list[float]]]:
         return {i: torch.stack(m).mean(0).tolist() for i, m in sorted(self.mass.items())}
@@ -148,7 +163,7 @@ def inspect_model(model, tokenizer, inputs: Inputs, step: Callable[[int], None] 
     todo += extra
     meas, gather = Measurements(), _Gathered()
     kept = _measure(model, inputs, todo, meas, gather, step)
-    profiles, mass = gather.profiles(), gather.first_mass()
+    profiles, mass = gather.profiles(tokenizer), gather.first_mass()
     massive = []
     for m in gather.massive.values():
         m["texts"] = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in m["token_ids"]]

@@ -15,7 +15,8 @@ Definitions (docs/inspect.md):
   what squeezes every other channel of a per-token or per-group scale). A mean, not a maximum, so that one
   dominant token (a sink) does not make its channels outliers: that token is ``token_ratio``'s.
 - ``token_ratio``: the largest token's absolute maximum over channels divided by the median token's; the tokens
-  above ``DOMINANT_TOKEN`` times are named (attention sinks, massive activations).
+  above ``DOMINANT_TOKEN`` times are named by index (attention sinks, massive activations;
+  ``kveval.inspect.analysis`` names them by window, position and text).
 - ``first_mass``: the softmax weight the queries (rows after the first ``n`` tokens) put on each of the first
   ``n`` tokens, per head, averaged over rows.
 """

@@ -151,7 +151,7 @@ def outlier_findings(profiles: dict, totals: dict, configs: dict, candidates: li
         ratio = max(r for w in where.values() for _, _, r in w)
         named = "; ".join(f"layer {i} head {h}: channels {', '.join(map(str, ch))}" for i in layers[:4]
                           for h, ch, _ in where[i][:2])
-        changes = [f"group_{tensor}", "rotate"]
+        changes = [f"group_{tensor}", "rotate"] + (["channel_key"] if tensor == "key" else [])
         sugg = [s for b in candidates for c in changes if (s := judged(b, c, totals, configs))]
         label = "keys (before RoPE)" if kind == "key_pre_rope" else f"{tensor}s"
         text = (f"{label} of {ranges(layers)} have outlier channels (up to {ratio:.0f}x the median "
@@ -159,7 +159,7 @@ def outlier_findings(profiles: dict, totals: dict, configs: dict, candidates: li
         out.append(Finding("outlier_channels", text, {
             "tensor": kind, "max_ratio": ratio,
             "channels": {i: [{"head": h, "channels": ch, "ratio": r} for h, ch, r in w] for i, w in where.items()}},
-            layers, sugg, "smaller groups or a rotation"))
+            layers, sugg, "smaller groups, a rotation" + (" or keys per channel" if tensor == "key" else "")))
     return out
 
 

@@ -3,7 +3,10 @@
 data a config's ``kv: {policies: ...}`` takes, so that a suggestion is a runnable ``kveval run ... -s`` line).
 
 A change that does not apply to a policy (a rotation on a policy that already transforms its keys, asymmetric
-ranges on a format that has none, smaller groups on ggml's fixed blocks) is not offered; a change the policy checks
+ranges on a format that has none, smaller groups on ggml's fixed blocks) is not offered. ``channel_key`` is KIVI's
+layout for the keys: a scale per channel over groups of 32 tokens, quantized 32 tokens at a time (KIVI: 128), so
+the newest keys (up to 31) and the newest 32 values stay in full precision: it changes the schedule too, the least
+that per-channel keys need. a change the policy checks
 refuse is dropped with its reason (``Variant.refused``).
 """
 
@@ -21,8 +24,9 @@ NONE = QuantSpec(format="none")
 SMALL_GROUP = 32
 SINKS = 4
 #: the changes a finding can suggest (``Variant.change``), in the order they are tried
-CHANGES = ("asymmetric_key", "asymmetric_value", "group_key", "group_value", "rotate", "sinks", "key_int8",
-           "value_int8")
+CHANGES = ("asymmetric_key", "asymmetric_value", "group_key", "group_value", "channel_key", "rotate", "sinks",
+           "key_int8", "value_int8")
+CHANNEL_BLOCK = 32  # keys per channel are quantized this many tokens at a time (KIVI: 128)
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,12 @@ def change_config(base_config: Any, policy: KVPolicy, change: str) -> dict | Non
         if spec.granularity == "token" and spec.bits >= 8:
             return None
         return _with(base_config, **{kind: spec_form(spec.replace(granularity="group", group_size=SMALL_GROUP))})
+    if change == "channel_key":  # KIVI's layout: a scale per channel over blocks of tokens, the newest in FP
+        if not _int_spec(spec) or policy.residual or policy.mode("key") != "sliding" or policy.mode("value") != "sliding":
+            return None
+        channel = spec.replace(granularity="channel", group_size=SMALL_GROUP, mapping="asymmetric")
+        return _with(base_config, key=spec_form(channel), residual=CHANNEL_BLOCK,
+                     residual_mode={"key": "block", "value": "sliding"})
     if change == "rotate":
         if policy.transforms or policy.pre_rope or policy.is_none:
             return None
