@@ -311,6 +311,39 @@ def test_the_printed_plan_line_runs_and_says_it_is_a_prediction(planted_run, mon
     assert refused.exit_code == 2 and "--from-inspect" in refused.output
 
 
+def test_a_model_with_kv_options_gets_lines_that_validate(tmp_path, monkeypatch):
+    """A model (not a config) with --kv and -s: the lines name the config inspect wrote, carry the -s overrides but
+    not the --kv ones (their own kv.policies replaces them), and validate."""
+    from typer.testing import CliRunner
+
+    from kveval.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "insp"
+    result = CliRunner().invoke(app, ["inspect", "builtin:tiny-llama", "--kv", "int4_g32", "-s", "seed=3",
+                                      "--tokens", "256", "--seq-len", "128", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "inspect.json").read_text())
+    lines = {s["run"] for f in doc["findings"] for s in f["suggestions"]}
+    assert lines
+    for line in lines:
+        args = shlex.split(line)
+        assert args[2] == str(out / "config.yaml") and "seed=3" in args and not any(a.startswith("kv=") for a in args)
+        checked = CliRunner().invoke(app, ["validate", *args[2:]])
+        assert checked.exit_code == 0, (line, checked.output)
+
+
+def test_a_gguf_path_names_a_model_not_a_config(tmp_path):
+    from typer.testing import CliRunner
+
+    from kveval.cli import app
+
+    bogus = tmp_path / "m.gguf"
+    bogus.write_bytes(b"not a gguf")
+    result = CliRunner().invoke(app, ["inspect", str(bogus), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "not a GGUF file" in result.output
+
+
 # ------------------------------------------------------------------ refusals
 
 
@@ -342,6 +375,20 @@ def test_refusals_are_one_line(planted_run, tmp_path):
     damaged["sensitivity"]["cells"][3]["kld"] = "NaN"
     (broken / "metrics.json").write_text(json.dumps(damaged))
     cases.append((["plan", str(broken), "--from-inspect", "--budget", "6"], "cells[3].kld is 'NaN'"))
+    other = tmp_path / "other_scan"  # a measured scan of another model
+    other.mkdir()
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["model"], metrics["sensitivity"]["predicted"] = "builtin:tiny-llama", False
+    (other / "metrics.json").write_text(json.dumps(metrics))
+    cases.append((["inspect", str(cfg), "--against", str(other), "-o", str(tmp_path / "w")],
+                  "that scan measured 'builtin:tiny-llama'"))
+    empty = tmp_path / "no_specs"  # an inspection whose policies were no single quantizer preset
+    empty.mkdir()
+    (empty / "config.resolved.yaml").write_bytes((out / "config.resolved.yaml").read_bytes())
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["sensitivity"].update(specs=[], cells=[])
+    (empty / "metrics.json").write_text(json.dumps(metrics))
+    cases.append((["plan", str(empty), "--from-inspect", "--budget", "6"], "predicted no sensitivity"))
     for args, message in cases:
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2, (args, result.output)

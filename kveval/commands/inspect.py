@@ -42,7 +42,8 @@ def run_line(config: str, overrides: list[str], base: str, base_form: Any, name:
     ``folder`` of their own, after the overrides inspect was given."""
     parts = ["kveval", "run", config]
     for o in overrides:
-        parts += ["-s", o]
+        if not o.replace(" ", "").startswith(("kv=", "kv.")):  # the line's own kv.policies replaces them
+            parts += ["-s", o]
     parts += ["-s", f"kv.policies={_flow({base: base_form, name: form})}", "-o", folder]
     return shlex.join(parts)
 
@@ -73,8 +74,7 @@ def _config(target: str, overrides: list[str], model: str | None, data: str | No
         extra.append(f"data={json.dumps(data)}")
     if kv:
         extra.append(f"kv={_flow(list(kv))}")
-    is_config = target.endswith((".yaml", ".yml")) or Path(target).is_file()
-    if is_config:
+    if target.endswith((".yaml", ".yml")):  # anything else names a model: builtin:..., a folder, a hub id, a .gguf
         return load_config(target, extra), target, extra
     raw = {"name": _slug(Path(target).name or target), "model": target, "data": "builtin", "kv": DEFAULT_KV,
            "tasks": [{"perplexity": {"seq_len": 512, "max_tokens": 4096}}]}
@@ -119,7 +119,7 @@ def inspect_command(target: str, overrides: list[str] | None = None, output: str
     candidates = {n: f for n, f in cfg.kv.policies.items() if not cfg.policies()[n].is_none}
     if not candidates:
         raise KvevalError(f"{target}: no quantized policy to inspect; give some with --kv (e.g. --kv int4_g64)")
-    scan = _read_scan(against) if against else None
+    scan = _read_scan(against, cfg.model.name) if against else None
     runs = run_folder(cfg.name, cfg.output).as_posix()  # the config's results folder; inspect's and the
     out = Path(os.path.expanduser(output)) if output else Path(f"{runs}-inspect")  # suggestions' sit beside it
     _check_out(out)
@@ -138,7 +138,8 @@ def inspect_command(target: str, overrides: list[str] | None = None, output: str
     return doc
 
 
-def _read_scan(path: str) -> dict:
+def _read_scan(path: str, model: str) -> dict:
+    """A measured scan of the same model (its metrics.json, checked as plan checks it)."""
     from kveval.results import read_metrics
     from kveval.tasks.sensitivity.planner import check_scan
 
@@ -147,6 +148,9 @@ def _read_scan(path: str) -> dict:
     if metrics["sensitivity"].get("predicted"):
         raise KvevalError(f"--against {path}: that folder holds an inspection's prediction, not a measured scan; "
                           "give a kveval scan folder")
+    if metrics.get("model") != model:
+        raise KvevalError(f"--against {path}: that scan measured {metrics.get('model')!r}, not {model!r}; give a scan "
+                          "of the model inspected")
     return metrics
 
 

@@ -66,6 +66,9 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     if from_inspect and not predicted:
         raise KvevalError(f"--from-inspect: {scan_dir} is not a kveval inspect folder (its metrics.json holds no "
                           "predicted sensitivity); drop --from-inspect to plan from a scan")
+    if predicted and not metrics["sensitivity"].get("cells"):
+        raise KvevalError(f"{scan_dir}: kveval inspect predicted no sensitivity there (none of its policies is a "
+                          "single quantizer preset); rerun it with --kv SPEC, e.g. --kv int8 --kv int4_g64")
     try:
         p = plan(metrics, budget, context=context, allow_fp=allow_fp, engine=engine)
     except MissingEngineSpecs as exc:
