@@ -16,7 +16,7 @@ from planted_models import Plants, planted_model
 from kveval.inspect import distributions as dist
 from kveval.inspect.capture import capture_window
 from kveval.inspect.measure import Measurements, measure_window
-from kveval.inspect.variants import change_config, spec_form, variants
+from kveval.inspect.variants import change_config, protect_layers, spec_form, variants
 from kveval.policy import KVPolicy
 from kveval.quant import fake_quantize, preset
 from kveval.quant.presets import preset_names
@@ -31,8 +31,9 @@ emulate_module = importlib.import_module("kveval.patch.emulate")
 def test_head_profile_matches_hand_computation():
     x = torch.tensor([[1.0, -1.0, 2.0, 0.0], [3.0, 1.0, 2.0, 2.0], [0.5, -0.5, 2.0, 0.0]])  # [T=3, D=4]
     p = dist.head_profile(x)
-    # offset: per token |mean| / (max - min): 0.5/3, 2/2, 0.5/2.5
-    assert p["offset"] == pytest.approx((0.5 / 3 + 1.0 + 0.5 / 2.5) / 3, rel=1e-12)
+    # offset: per token |mean| / max(max - min, max |x|): 0.5/3, 2/3, 0.5/2.5
+    assert p["offset"] == pytest.approx((0.5 / 3 + 2 / 3 + 0.5 / 2.5) / 3, rel=1e-12)
+    assert dist.head_profile(torch.full((5, 4), -2.0))["offset"] == 1.0  # constant tokens: bounded, not 1/0
     flat = x.flatten().double().numpy()
     c = flat - flat.mean()
     assert p["kurtosis"] == pytest.approx((c ** 4).mean() / (c ** 2).mean() ** 2, rel=1e-12)
@@ -65,6 +66,8 @@ def test_first_mass_matches_a_full_softmax():
             want[h] += w[:3]
     torch.testing.assert_close(got, want / 37, rtol=1e-12, atol=1e-15)
     assert float(got[:, 0].mean()) > 0.3
+    on_meta = dist.first_mass(q.to("meta"), k.to("meta"), 0.35, n=3, rows=7)  # every tensor on the inputs' device
+    assert on_meta.device.type == "meta" and on_meta.shape == (4, 3)
 
 
 def test_massive_activation_names_position_and_channel():
@@ -112,6 +115,10 @@ def test_changes_apply_only_where_they_mean_something():
     assert change_config("kivi2", KVPolicy.preset("kivi2"), "channel_key") is None  # a schedule of its own already
     names = [v.name for v in variants("int4_g64", "int4_g64", KVPolicy.preset("int4_g64"))[0]]
     assert names[:3] == ["int4_g64", "int4_g64+keys_only", "int4_g64+values_only"]
+    protected = KVPolicy.from_config(protect_layers("vllm_turboquant_k8v4", [5, 6]))  # the preset's own overrides kept
+    assert [o.selector for o in protected.layers] == [o.selector for o in KVPolicy.preset("vllm_turboquant_k8v4").layers] \
+        + ["5,6"]
+    assert protected.specs_for_layer(5, 30)[0] == preset("int8") and protected.specs_for_layer(0, 30)[0].is_none
     alone = variants("kivi2", "kivi2", KVPolicy.preset("kivi2"))[0][1].policy
     assert alone.value.is_none and alone.key == KVPolicy.preset("kivi2").key and alone.residual == 128
 
@@ -208,8 +215,8 @@ def test_planted_defects_are_named_exactly_at_their_places():
                           ("massive_activation", (0, 1, 2, 3))}
     outliers = found[("outlier_channels", (1,))]["evidence"]
     assert outliers["tensor"] == "key_pre_rope"
-    assert outliers["channels"] == {1: [{"head": 0, "channels": [5], "ratio": pytest.approx(
-        outliers["channels"][1][0]["ratio"])}]}
+    assert [(c["head"], c["channels"]) for c in outliers["channels"][1]] == [(0, [5])]
+    assert list(outliers["channels"]) == [1] and outliers["channels"][1][0]["ratio"] > 6
     assert found[("offset", (2,))]["evidence"]["tensor"] == "value"
     massive = found[("massive_activation", (0, 1, 2, 3))]["evidence"]
     assert (massive["position"], massive["channel"], massive["texts"]) == (0, 37, ["<bos>"])
@@ -229,6 +236,12 @@ def test_a_defect_alone_gets_the_change_that_answers_it(plants, kind, change):
     found = [f for f in doc["findings"] if f["kind"] in DISTRIBUTION_KINDS]
     assert [f["kind"] for f in found] == [kind]
     assert change in [s["policy"] for s in found[0]["suggestions"]]
+
+
+def test_a_candidate_that_does_not_fit_is_skipped_with_its_reason():
+    doc, _ = _inspect(Plants(None, None, None, None), ("int8", "int4_g64"))  # groups of 64 on heads of 32
+    assert list(doc["candidates"]) == ["int8"]
+    assert "group_size 64 does not divide head_dim 32" in doc["skipped_candidates"]["int4_g64"]
 
 
 def test_a_clean_model_shows_none_of_the_planted_defects():

@@ -96,9 +96,10 @@ def _specs(cfg) -> list[str]:
 
     for entry in cfg.tasks:
         if entry.kind == "sensitivity":
-            return list(entry.params.specs)
+            return list(dict.fromkeys(entry.params.specs))
     names = set(preset_names())
-    return [form for form in cfg.kv.policies.values() if isinstance(form, str) and form in names and form != "none"]
+    return list(dict.fromkeys(form for form in cfg.kv.policies.values()
+                              if isinstance(form, str) and form in names and form != "none"))
 
 
 def inspect_command(target: str, overrides: list[str] | None = None, output: str | None = None, *,
@@ -138,6 +139,14 @@ def inspect_command(target: str, overrides: list[str] | None = None, output: str
     return doc
 
 
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model names name the same model (the same string, or two paths to one folder or file)."""
+    if a == b:
+        return True
+    pa, pb = Path(os.path.expanduser(a)), Path(os.path.expanduser(b))
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
 def _read_scan(path: str, model: str) -> dict:
     """A measured scan of the same model (its metrics.json, checked as plan checks it)."""
     from kveval.results import read_metrics
@@ -148,7 +157,7 @@ def _read_scan(path: str, model: str) -> dict:
     if metrics["sensitivity"].get("predicted"):
         raise KvevalError(f"--against {path}: that folder holds an inspection's prediction, not a measured scan; "
                           "give a kveval scan folder")
-    if metrics.get("model") != model:
+    if not _same_model(str(metrics.get("model")), model):
         raise KvevalError(f"--against {path}: that scan measured {metrics.get('model')!r}, not {model!r}; give a scan "
                           "of the model inspected")
     return metrics
@@ -157,7 +166,7 @@ def _read_scan(path: str, model: str) -> dict:
 def _inspect(cfg, candidates: dict, tokens: int, seq_len: int, console, quiet: bool) -> dict:
     from kveval.data import load_tokens
     from kveval.inspect.analysis import Inputs, inspect_model
-    from kveval.models import load_model, model_arch
+    from kveval.models import load_model, model_arch, model_context_limit
     from kveval.progress import Progress
 
     progress = Progress(console, quiet=quiet)
@@ -165,6 +174,9 @@ def _inspect(cfg, candidates: dict, tokens: int, seq_len: int, console, quiet: b
     loaded, tokenizer = load_model(cfg.model.name, device=cfg.model.device, dtype=cfg.model.dtype,
                                    trust_remote_code=cfg.model.trust_remote_code, seed=cfg.seed,
                                    device_map=cfg.model.device_map, max_memory=cfg.model.max_memory)
+    limit = model_context_limit(loaded)
+    if seq_len > limit:
+        raise KvevalError(f"--seq-len {seq_len} is longer than the model's context ({limit}); give a shorter one")
     d = cfg.data
     ids = load_tokens(d.source, tokenizer, split=d.split, text_field=d.text_field)
     n = min(tokens, len(ids)) // seq_len

@@ -113,7 +113,8 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     validate(config, str(path))  # the written config must load
     for target in (path, path.with_name(path.stem + ".plan.json")):  # before writing either file
         check_writable_path(target, "--out", folder=False)
-    cmd = f"kveval plan {scan_dir} --budget {p.budget.text}" + (" --from-inspect" if from_inspect else "")
+    cmd = shlex.join(["kveval", "plan", str(scan_dir), "--budget", p.budget.text]
+                     + (["--from-inspect"] if from_inspect else []))
     predictions = {s: uniform_prediction(metrics, s) for s in uniform}
     header = [
         f"# kveval run {path.as_posix()}",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -146,19 +146,30 @@ def inspect_model(model, tokenizer, inputs: Inputs, step: Callable[[int], None] 
 
     todo: list[Variant] = []
     refused: dict[str, dict[str, str]] = {}
+    skipped: dict[str, str] = {}  # candidates inspect cannot measure (scales: auto, a shape that does not fit)
     for name, form in inputs.candidates.items():
         vs, why = variants(name, form, KVPolicy.from_config(form, name=name))
-        for v in vs:  # the candidate itself must fit the model (one line if not); a change that does not is dropped
+        fits = []
+        for v in vs:  # a change that does not fit the model is dropped with its reason; the candidate is skipped
             try:
                 model_quantizers(model, v.policy)
             except KvevalError as exc:
                 if v.change == "as_is":
-                    raise
+                    skipped[name] = str(exc).splitlines()[0]
+                    break
                 why[v.change] = str(exc).splitlines()[0]
                 continue
-            todo.append(v)
+            fits.append(v)
+        if name in skipped:
+            continue
+        todo += fits
         if why:
             refused[name] = why
+    if len(skipped) == len(inputs.candidates):
+        raise KvevalError(next(iter(skipped.values())))
+    if skipped:
+        log("skipped " + "; ".join(f"policy {n}: {r}" for n, r in skipped.items()))
+        inputs = replace(inputs, candidates={n: f for n, f in inputs.candidates.items() if n not in skipped})
     extra, names = spec_variants(inputs.specs, todo)
     todo += extra
     meas, gather = Measurements(), _Gathered()
@@ -192,7 +203,7 @@ def inspect_model(model, tokenizer, inputs: Inputs, step: Callable[[int], None] 
     section = sensitivity_section(meas, inputs.specs, names, spec_effects, seq_len, n_tokens, n_tokens)
     doc = {
         "tokens": n_tokens, "windows": len(inputs.windows), "seq_len": seq_len,
-        "candidates": inputs.candidates, "refused_changes": refused,
+        "candidates": inputs.candidates, "skipped_candidates": skipped, "refused_changes": refused,
         "kld": {n: e["kld"] for n, e in effects.items()},
         "findings": [f.to_dict() for f in found],
         "variants": {v.name: {"base": v.base, "change": v.change, "config": v.config, "total_output_rel": totals[v.name],

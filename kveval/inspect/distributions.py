@@ -6,9 +6,10 @@ Shapes: a tensor of one layer is ``x [kv_heads, T, head_dim]`` (the tokens of ev
 
 Definitions (docs/inspect.md):
 
-- ``offset``: per token and head, ``|mean| / (max - min)`` of its ``head_dim`` values, averaged over tokens: how
-  far the group a per-token quantizer scales is from centred (0.02 for Gaussian values; 0.5 when every value has
-  the same sign and size). A symmetric quantizer spends the unused half of its range.
+- ``offset``: per token and head, ``|mean| / max(max - min, max |x|)`` of its ``head_dim`` values, averaged over
+  tokens: how far the group a per-token quantizer scales is from centred, in [0, 1] (about 0.02 for Gaussian
+  values; 0.75 for values uniform in [1, 2]; 1 when every value is the same). A symmetric quantizer spends the
+  part of its range the values do not reach.
 - ``kurtosis``: Pearson's, of every value of the head (3 for a Gaussian).
 - ``channel_ratio``: the largest channel's mean absolute value over tokens divided by the median channel's; the
   channels above ``OUTLIER_CHANNEL`` times the median are named (a per-channel bias or a few dominant channels:
@@ -46,7 +47,7 @@ def _ratio_and_top(values: torch.Tensor, threshold: float) -> tuple[float, list[
 def head_profile(x: torch.Tensor) -> dict:
     """The statistics of one head ``x [T, head_dim]`` (module docstring)."""
     x = x.to(torch.float64)
-    span = (x.amax(-1) - x.amin(-1)).clamp_min(1e-30)
+    span = torch.maximum(x.amax(-1) - x.amin(-1), x.abs().amax(-1)).clamp_min(1e-30)
     offset = float((x.mean(-1).abs() / span).mean())
     centred = x - x.mean()
     var = float((centred ** 2).mean())
@@ -73,11 +74,12 @@ def first_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, n: int = 4, row
         return torch.zeros(H, 0, dtype=torch.float64)
     kk = k.to(torch.float64).repeat_interleave(H // k.shape[0], dim=0)
     qq = q.to(torch.float64)
-    total = torch.zeros(H, n, dtype=torch.float64)
+    total = torch.zeros(H, n, dtype=torch.float64, device=q.device)
     for start in range(n, T, rows):
         stop = min(start + rows, T)
         scores = torch.matmul(qq[:, start:stop], kk[:, :stop].transpose(-1, -2)) * scaling  # [H, r, stop]
-        causal = torch.arange(stop)[None, :] > torch.arange(start, stop)[:, None]
+        causal = (torch.arange(stop, device=q.device)[None, :]
+                  > torch.arange(start, stop, device=q.device)[:, None])
         scores = scores.masked_fill(causal, float("-inf"))
         total += torch.softmax(scores, dim=-1)[..., :n].sum(1)
     return total / (T - n)

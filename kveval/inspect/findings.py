@@ -131,7 +131,7 @@ def offset_findings(profiles: dict, totals: dict, configs: dict, candidates: lis
         text = (f"{kind}s of {ranges(layers)} are offset (mean {offsets[worst]:.2f} of their range at "
                 f"layer {worst}): a symmetric format wastes part of its range")
         if not any(f"{b}+asymmetric_{kind}" in totals for b in candidates):
-            text += "; the candidates are already asymmetric there"
+            text += "; no candidate is a symmetric INT format there"
         out.append(Finding("offset", text, {"tensor": kind, "offset": {i: offsets[i] for i in layers},
                                             "threshold": OFFSET}, layers, sugg, "asymmetric"))
     return out

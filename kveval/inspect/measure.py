@@ -5,8 +5,8 @@ For each layer of a captured window, ``measure_window`` runs the emulation's own
 residual windows included; every token decoded one at a time, as perplexity scores them) on the captured queries,
 keys and values, and compares it with the stock call's output. Per layer it adds up (``LayerSums``):
 
-- ``key`` / ``value``: ``Σ(x̂ - x)²`` and ``Σx²`` per KV head over the tokens the policy quantizes (as attention
-  reads them, after the transforms that keep a tensor in their domain);
+- ``key`` / ``value``: ``Σ(x̂ - x)²`` and ``Σx²`` per KV head over every token (as attention reads them, after the
+  transforms that keep a tensor in their domain; the tokens the policy keeps in full precision add no error);
 - ``logit``: ``Σ(ŝ - s)²`` per query head over the causal (query, key) pairs, ``s = scaling · q·k`` (the query as
   the key quantizer's hooks hand it over, against the model's own logits), and the number of pairs; for the
   candidates as they are (``Variant.reports_logits``);
@@ -116,8 +116,9 @@ def _logit_error(call: LayerCall, query: torch.Tensor, k_hat: torch.Tensor, scal
     q0 = call.query[0].reshape(Hkv, group * T, D).to(dtype)
     q1 = query[0].reshape(Hkv, group * T, D).to(dtype) if hooked else q0
     k0, k1 = call.key[0].to(dtype), k_hat[0].to(dtype)
-    total = torch.zeros(Hkv, group, dtype=torch.float64)
-    rows_of = torch.arange(T).repeat(group)  # the position of each query row
+    device = call.key.device
+    total = torch.zeros(Hkv, group, dtype=torch.float64, device=device)
+    rows_of = torch.arange(T, device=device).repeat(group)  # the position of each query row
     for start in range(0, T, rows):
         stop = min(start + rows, T)
         sel = ((rows_of >= start) & (rows_of < stop)).nonzero().squeeze(-1)
@@ -126,8 +127,9 @@ def _logit_error(call: LayerCall, query: torch.Tensor, k_hat: torch.Tensor, scal
                     - torch.matmul(q0[:, sel], k0[:, :stop].transpose(-1, -2)))
         else:
             diff = torch.matmul(q0[:, sel], (k1[:, :stop] - k0[:, :stop]).transpose(-1, -2))
-        causal = torch.arange(stop)[None, :] <= rows_of[sel][:, None]
-        sq = (diff * diff * causal).sum(-1, dtype=torch.float64) * scaling ** 2  # [kv_heads, rows]
+        causal = torch.arange(stop, device=device)[None, :] <= rows_of[sel][:, None]
+        diff = diff.to(torch.float64)  # squared in float64: a float16 model's differences would overflow
+        sq = (diff * diff * causal).sum(-1) * scaling ** 2  # [kv_heads, rows]
         total += sq.reshape(Hkv, group, -1).sum(-1)
     return total.reshape(-1), T * (T + 1) // 2
 

@@ -12,6 +12,7 @@ makes it a prediction (``predicted: true``), not a scan.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -32,7 +33,7 @@ def spec_variants(specs: list[str], measured: list[Variant]) -> tuple[list[Varia
     out, names = [], {}
     for spec in specs:
         policy = KVPolicy.preset(spec)
-        same = [v.base for (b, c), v in have.items() if c == "as_is" and v.policy == policy]
+        same = [v.base for (b, c), v in have.items() if c == "as_is" and replace(v.policy, name=spec) == policy]
         if same:
             names[spec] = same[0]
             continue

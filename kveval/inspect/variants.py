@@ -3,11 +3,12 @@
 data a config's ``kv: {policies: ...}`` takes, so that a suggestion is a runnable ``kveval run ... -s`` line).
 
 A change that does not apply to a policy (a rotation on a policy that already transforms its keys, asymmetric
-ranges on a format that has none, smaller groups on ggml's fixed blocks) is not offered. ``channel_key`` is KIVI's
-layout for the keys: a scale per channel over groups of 32 tokens, quantized 32 tokens at a time (KIVI: 128), so
-the newest keys (up to 31) and the newest 32 values stay in full precision: it changes the schedule too, the least
-that per-channel keys need. a change the policy checks
-refuse is dropped with its reason (``Variant.refused``).
+ranges on a format that has none, smaller groups on ggml's fixed blocks) is not offered; one that the policy checks
+refuse is left out, with the reason (``variants``' second value).
+
+``channel_key`` is KIVI's layout for the keys: a scale per channel over groups of 32 tokens, quantized 32 tokens at
+a time (KIVI: 128), so the newest keys (up to 31) and the newest 32 values stay in full precision: it changes the
+schedule too, the least that per-channel keys need.
 """
 
 from __future__ import annotations
@@ -113,9 +114,10 @@ def change_config(base_config: Any, policy: KVPolicy, change: str) -> dict | Non
 
 
 def protect_layers(base_config: Any, layers: list[int], spec: str = "int8") -> dict:
-    """The base policy with ``layers`` kept at ``spec`` (a per-layer override, ``layers: {"0,3": {spec: int8}}``)."""
+    """The base policy with ``layers`` kept at ``spec`` (a per-layer override, ``layers: {"0,3": {spec: int8}}``),
+    after the overrides the policy already has (a preset's own included: ``layers`` replaces them in config form)."""
     form = _with(base_config)
-    overrides = dict(form.get("layers") or {})
+    overrides = dict(KVPolicy.from_config(base_config).to_config().get("layers") or {})
     overrides[",".join(str(i) for i in sorted(layers))] = {"spec": spec}
     form["layers"] = overrides
     return form
