@@ -128,8 +128,9 @@ def _logit_error(call: LayerCall, query: torch.Tensor, k_hat: torch.Tensor, scal
         else:
             diff = torch.matmul(q0[:, sel], (k1[:, :stop] - k0[:, :stop]).transpose(-1, -2))
         causal = torch.arange(stop, device=device)[None, :] <= rows_of[sel][:, None]
-        diff = diff.to(torch.float64)  # squared in float64: a float16 model's differences would overflow
-        sq = (diff * diff * causal).sum(-1) * scaling ** 2  # [kv_heads, rows]
+        if diff.element_size() < 4:  # a 16-bit model's differences would overflow when squared
+            diff = diff.float()
+        sq = (diff * diff * causal).sum(-1, dtype=torch.float64) * scaling ** 2  # [kv_heads, rows]
         total += sq.reshape(Hkv, group, -1).sum(-1)
     return total.reshape(-1), T * (T + 1) // 2
 
