@@ -25,6 +25,7 @@ import io
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -34,6 +35,23 @@ from kveval.models import load_model
 from kveval.patch import emulate
 from kveval.policy import KVPolicy
 from kveval.policy.presets import POLICY_PRESETS
+
+
+def interleaved_ratio(plain: Callable[[], object], patched: Callable[[], object], repeats: int, *,
+                      warm: bool = True) -> tuple[float, float]:
+    """(median(patched) / median(plain), noise): after one warm-up of each (``warm``; else the caller's), the two
+    alternate ``repeats`` times (a load change hits both alike); noise is the spread of the plain runs, (max - min)
+    / median."""
+    if warm:
+        patched()
+        plain()
+    base, emu = [], []
+    for _ in range(repeats):
+        for fn, rec in ((plain, base), (patched, emu)):
+            t = time.perf_counter()
+            fn()
+            rec.append(time.perf_counter() - t)
+    return statistics.median(emu) / statistics.median(base), (max(base) - min(base)) / statistics.median(base)
 
 
 def first_format_presets() -> list[str]:
@@ -106,14 +124,7 @@ def main() -> None:
                     cells.append(f"skipped: {exc}")
                     break
                 plain()
-                base, emu = [], []
-                for _ in range(args.repeats):
-                    for fn, rec in ((plain, base), (patched, emu)):
-                        t = time.perf_counter()
-                        fn()
-                        rec.append(time.perf_counter() - t)
-                ratio = statistics.median(emu) / statistics.median(base)
-                noise = (max(base) - min(base)) / statistics.median(base)
+                ratio, noise = interleaved_ratio(plain, patched, args.repeats, warm=False)
                 cells.append(f"{ratio:8.2f}x {noise:6.2f}")
         print(f"{label:30s} " + " ".join(cells), flush=True)
         if args.profile and ratio > args.profile:

@@ -89,21 +89,8 @@ class Row:
         return self.value <= self.goal if self.at_most else self.value >= self.goal
 
 
-def interleaved_ratio(plain: Callable[[], object], patched: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """(median(patched) / median(plain), noise): after one warm-up of each, the two alternate ``repeats`` times (a
-    load change hits both alike); noise is the spread of the plain runs, (max - min) / median."""
-    patched()
-    plain()
-    base, emu = [], []
-    for _ in range(repeats):
-        for fn, rec in ((plain, base), (patched, emu)):
-            t = time.perf_counter()
-            fn()
-            rec.append(time.perf_counter() - t)
-    return statistics.median(emu) / statistics.median(base), (max(base) - min(base)) / statistics.median(base)
-
-
 def preset_rows(size: Size) -> list[Row]:
+    from bench.bench_presets import interleaved_ratio
     from kveval.data import load_tokens
     from kveval.models import load_model
     from kveval.patch import emulate
@@ -183,6 +170,7 @@ def decode_rows(size: Size) -> list[Row]:
 
 def long_rows(size: Size) -> list[Row]:
     from bench.bench_long_context import one_pass, tiny
+    from bench.bench_presets import interleaved_ratio
 
     model = tiny("tiny-llama")
     tokens = size.long_tokens[1]

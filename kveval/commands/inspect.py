@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import sys
 import time
@@ -19,16 +18,13 @@ from typing import Any
 
 import yaml
 
+from kveval.commands.plan import slug
 from kveval.errors import KvevalError
 
 INSPECT_FILE = "inspect.json"
 CONFIG_COPY = "config.yaml"  # the config inspect used, when it was given a model: the run lines' config
 DEFAULT_KV = ["int8", "int4_g64"]
 MAX_TOKENS = 1 << 20
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.\-]+", "_", text).strip("_.") or "model"
 
 
 def _flow(value: Any) -> str:
@@ -76,7 +72,7 @@ def _config(target: str, overrides: list[str], model: str | None, data: str | No
         extra.append(f"kv={_flow(list(kv))}")
     if target.endswith((".yaml", ".yml")):  # anything else names a model: builtin:..., a folder, a hub id, a .gguf
         return load_config(target, extra), target, extra
-    raw = {"name": _slug(Path(target).name or target), "model": target, "data": "builtin", "kv": DEFAULT_KV,
+    raw = {"name": slug(Path(target).name or target).strip(".") or "model", "model": target, "data": "builtin", "kv": DEFAULT_KV,
            "tasks": [{"perplexity": {"seq_len": 512, "max_tokens": 4096}}]}
     return validate(raw, f"kveval inspect {target}", extra), None, extra
 
@@ -197,7 +193,7 @@ def _suggest(doc: dict, runs: str, config_path: str, extra: list[str]) -> None:
     """Give every suggestion its ``kveval run`` line, into ``<the config's results folder>-<policy>``."""
     for f in doc["findings"]:
         for s in f["suggestions"]:
-            name = _slug(s["policy"].replace("+", "_"))
+            name = slug(s["policy"].replace("+", "_"))
             s["run"] = run_line(config_path, extra, s["base"], doc["candidates"][s["base"]], name, s["config"],
                                 f"{runs}-{name}")
 

@@ -24,7 +24,8 @@ from kveval.tasks.sensitivity.planner import (
 from kveval.units import format_bytes
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
+    """``text`` as one plain file-name component (letters, digits, ``_.-``; anything else ``_``)."""
     return re.sub(r"[^A-Za-z0-9_.\-]+", "_", text).strip("_") or "plan"
 
 
@@ -82,7 +83,7 @@ def plan_command(scan_dir: str, budget: str, out: str | None = None, *, context:
     if engine == "transformers" and p.arch.sliding_layers:  # QuantizedCache refuses such a model (kveval deploy)
         raise KvevalError(f"--engine transformers: transformers' QuantizedCache has no sliding-window layers and "
                           f"this model has {len(p.arch.sliding_layers)}; plan for another engine, or without --engine")
-    name = _slug(f"{metrics.get('run', 'scan')}_plan_{p.budget.text}" + (f"_{engine}" if engine else ""))
+    name = slug(f"{metrics.get('run', 'scan')}_plan_{p.budget.text}" + (f"_{engine}" if engine else ""))
     path = Path(out) if out else GENERATED_DIR / f"{name}.yaml"
     if path.suffix not in (".yaml", ".yml"):
         path = path / f"{name}.yaml"
