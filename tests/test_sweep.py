@@ -21,10 +21,11 @@ from sweep_reference import uninterrupted_metrics
 from typer.testing import CliRunner
 
 from kveval.cli import app
+from kveval.commands.sweep import finished_before
 from kveval.errors import KvevalError
 from kveval.models import smollm2_gguf
 from kveval.sweep.expand import SweepFile, expand, label_of
-from kveval.sweep.load import load_sweep
+from kveval.sweep.load import load_sweep, resolved_yaml
 from kveval.sweep.runner import error_line
 
 TASK = {"perplexity": {"seq_len": 32, "max_tokens": 96, "bootstrap": 20, "noise_windows": 0}}
@@ -176,6 +177,38 @@ def test_dry_run_lists_the_runs_and_starts_nothing(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.count("to run") == 4 and "tiny-gemma3__int4_g32" in result.output
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_run_lost_after_its_metrics_is_run_again_and_resumes_to_its_report(tmp_path):
+    """A run whose ``kveval run`` was lost between its metrics.json and its report (its node went down; CI saw it
+    on the two-node cluster) is not skipped by the next sweep when the last sweep.json says it failed; run again,
+    it resumes from its records (none recomputed) and writes its report. Without that entry (a run finished by
+    hand) metrics.json alone still counts as finished."""
+    path = _write(tmp_path / "s.yaml", _sweep(tmp_path, runs=[
+        {"name": "a", "config": {"model": "builtin:tiny-llama", "kv": ["int8"]}}]))
+    (run,) = load_sweep(path).runs
+    config = _write(tmp_path / "a.yaml", {**yaml.safe_load(resolved_yaml(run.resolved)), "output": str(run.folder)})
+    first = CliRunner().invoke(app, ["run", str(config), "-q"])
+    assert first.exit_code == 0, first.output
+    records = (run.folder / "records.jsonl").read_bytes()
+    metrics = json.loads((run.folder / "metrics.json").read_text())
+    for name in ("report.md", "report.html"):  # lost while drawing the report
+        (run.folder / name).unlink()
+
+    dry = CliRunner().invoke(app, ["sweep", str(path), "--dry-run"])
+    assert dry.exit_code == 0 and "finished (would skip)" in dry.output, dry.output  # no sweep.json: metrics count
+    sweep_json = tmp_path / "sweep" / "sweep.json"
+    for status, state in (("failed", "to run"), ("interrupted", "to run"), ("finished", "finished (would skip)")):
+        sweep_json.write_text(json.dumps({"runs": [{"name": "a", "status": status, "returncode": 0}]}))
+        dry = CliRunner().invoke(app, ["sweep", str(path), "--dry-run"])
+        assert dry.exit_code == 0 and state in dry.output, (status, dry.output)
+        assert finished_before(run, {"status": status}) == (state != "to run")
+
+    again = CliRunner().invoke(app, ["run", str(config), "-q"])  # what the sweep's task runs
+    assert again.exit_code == 0, again.output
+    assert (run.folder / "records.jsonl").read_bytes() == records  # resumed: nothing recomputed
+    assert json.loads((run.folder / "metrics.json").read_text())["policies"] == metrics["policies"]
+    assert (run.folder / "report.md").is_file() and (run.folder / "report.html").is_file()
 
 
 @pytest.mark.parametrize(("log", "rc", "line"), [

@@ -36,6 +36,7 @@ from kveval.sweep.report import INDEX_FILE, write_index, write_report
 from kveval.sweep.runner import (
     FAILED,
     FINISHED,
+    INTERRUPTED,
     SKIPPED,
     RunOutcome,
     RunTask,
@@ -74,9 +75,14 @@ def check_sweep_folder(out: Path) -> None:
                       "empty or sweep folder of its own: give it one with -o DIR")
 
 
-def finished_before(run: PlannedRun) -> bool:
-    """Whether the run's folder already holds its finished result: metrics.json, and the same resolved config."""
+def finished_before(run: PlannedRun, before: dict | None = None) -> bool:
+    """Whether the run's folder already holds its finished result: metrics.json, and the same resolved config,
+    unless the sweep that ran it last (``before``, its sweep.json entry) saw its ``kveval run`` end otherwise: a run
+    lost after its metrics and before its report (a node going down) is run again, and resumes from its records
+    to its report."""
     if not (run.folder / METRICS_FILE).is_file():
+        return False
+    if before is not None and before.get("status") in (FAILED, INTERRUPTED, "queued"):
         return False
     try:
         return read_config(run.folder) == yaml.safe_load(resolved_yaml(run.resolved))
@@ -128,10 +134,12 @@ def dry_run_table(plan: SweepPlan) -> Table:
                   title_justify="left")
     for col in ("run", "model", "policies", "tasks", "folder", "state"):
         table.add_column(col, no_wrap=col == "run", overflow="fold")
+    previous = previous_entries(plan.output / INDEX_FILE)
     for run in plan.runs:
         axes = run.spec.axes
         cells = (run.name, axes.get("model") or run.cfg.model.name, axes.get("policies") or ", ".join(run.cfg.kv.policies),
-                 axes.get("tasks", ""), str(run.folder), "finished (would skip)" if finished_before(run) else "to run")
+                 axes.get("tasks", ""), str(run.folder),
+                 "finished (would skip)" if finished_before(run, previous.get(run.name)) else "to run")
         table.add_row(*(Text(str(c)) for c in cells))  # user text (a model path, a folder): never markup
     return table
 
@@ -162,7 +170,7 @@ def sweep_command(path: str, overrides: list[str] | None = None, *, address: str
         for run in plan.runs:
             config_file = out / CONFIGS_DIR / f"{run.name}.yaml"
             config_file.parent.mkdir(parents=True, exist_ok=True)
-            if finished_before(run):
+            if finished_before(run, previous.get(run.name)):
                 outcomes[run.name] = skipped_outcome(run.name, previous.get(run.name))
                 continue
             atomic_write_text(config_file, resolved_yaml(run.resolved))
