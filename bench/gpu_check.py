@@ -19,6 +19,9 @@ in one is recorded and the next runs):
   (time ratio), and whether the longest context's emulated pass fits.
 * ``decode``: greedy decode tokens/s through the real cache (lean and buffered reads) against DynamicCache at one
   context, per batch size.
+* ``generation``: the generation task's own loop (``lockstep_generate``: the policy's real cache drives, the FP
+  model's cache follows for the KLD of every step), tokens/s per batch size (1 and 32), against the same loop with
+  both caches ``DynamicCache`` (``policy=None``).
 
 Writes ``gpu_check.json`` (machine, versions, every number) and ``gpu_check.md`` (the tables) into ``--out``.
 """
@@ -42,6 +45,7 @@ MIB = 2**20
 FAMILIES = ["tiny-llama", "tiny-gemma3", "tiny-deepseek-v3", "tiny-qwen3-next", "tiny-granite-hybrid"]
 #: relative agreement of the mean KLD, emulation against the real cache, per dtype
 TOLERANCE = {"float32": 0.25, "bfloat16": 0.5, "float64": 1e-6}
+SECTIONS = ("equivalence", "memory", "speed", "decode", "generation")
 MAIN_PRESETS = ["int4_g64", "kivi2", "hf_quanto_int4", "vllm_fp8", "vllm_fp8_fa3", "llamacpp_q4_0", "vllm_nvfp4"]
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
@@ -53,10 +57,12 @@ def settings(small: bool, device: str) -> dict:
     if small:
         return {"device": device, "families": FAMILIES, "dtypes": ["float32"], "prompt": 24, "new_tokens": 12,
                 "big": None, "contexts": [256, 512], "longest": 1024, "batches": [1, 4], "decode_context": 256,
-                "decode_steps": 8, "chunk": 128, "presets": ["int4_g32", "kivi2", "vllm_fp8", "llamacpp_q4_0"]}
+                "decode_steps": 8, "chunk": 128, "presets": ["int4_g32", "kivi2", "vllm_fp8", "llamacpp_q4_0"],
+                "generation_batches": [1, 4], "generation_prompt": 32, "generation_tokens": 8}
     return {"device": device, "families": FAMILIES, "dtypes": ["float32", "bfloat16"], "prompt": 256,
             "new_tokens": 64, "big": LLAMA_8B, "contexts": [8192, 32768], "longest": 131072, "batches": [1, 16],
-            "decode_context": 8192, "decode_steps": 32, "chunk": 2048, "presets": MAIN_PRESETS}
+            "decode_context": 8192, "decode_steps": 32, "chunk": 2048, "presets": MAIN_PRESETS,
+            "generation_batches": [1, 32], "generation_prompt": 1024, "generation_tokens": 128}
 
 
 def _sync(device: str) -> None:
@@ -245,11 +251,48 @@ def check_decode(model, s: dict) -> list[dict]:
             try:
                 _, seconds = _prefill_and_decode(model, ids, _cache(model, kind, policy), s["chunk"],
                                                  s["decode_steps"])
-                row["tokens_per_s"] = batch * s["decode_steps"] / seconds
-                if kind == "dynamic":
-                    base = row["tokens_per_s"]
-                elif base:
-                    row["vs_dynamic"] = row["tokens_per_s"] / base
+                base = _rated(row, batch * s["decode_steps"] / seconds, kind == "dynamic", base, "vs_dynamic")
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(row)
+    return rows
+
+
+def _rated(row: dict, tokens_per_s: float, is_base: bool, base: float | None, ratio: str) -> float | None:
+    """``row``'s ``tokens_per_s``, and its ratio to ``base`` under ``ratio`` unless it is the base itself;
+    returns the base of the next rows."""
+    row["tokens_per_s"] = tokens_per_s
+    if is_base:
+        return tokens_per_s
+    if base:
+        row[ratio] = tokens_per_s / base
+    return base
+
+
+@torch.no_grad()
+def check_generation(model, s: dict) -> list[dict]:
+    from kveval.policy import KVPolicy
+    from kveval.tasks.common.lockstep import lockstep_generate
+
+    policy = KVPolicy.preset("int4_g64" if s["big"] else "int4_g32")
+    rows = []
+    for batch in s["generation_batches"]:
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(4, model.config.vocab_size, (batch, s["generation_prompt"]), generator=g).tolist()
+        base = None
+        for name, p in (("fp16 (both DynamicCache)", None), (policy.name, policy)):
+            row = {"batch": batch, "prompt": s["generation_prompt"], "new_tokens": s["generation_tokens"],
+                   "policy": name}
+            try:
+                _sync(s["device"])
+                t0 = time.perf_counter()
+                out = lockstep_generate(model, prompts, p, driver="policy", max_new_tokens=s["generation_tokens"],
+                                        eos_ids=set(), pad_id=0)
+                _sync(s["device"])
+                seconds = time.perf_counter() - t0
+                tokens = sum(len(t.tokens) for t in out)
+                row.update(seconds=seconds, tokens=tokens)
+                base = _rated(row, tokens / seconds, p is None, base, "vs_fp16")
             except Exception as exc:  # noqa: BLE001
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
@@ -281,7 +324,7 @@ def markdown(doc: dict) -> str:
 
     lines = [f"# kveval GPU check ({'small, ' if doc['small'] else ''}{doc['env'].get('gpu', doc['env']['device'])})",
              "", "Environment: " + ", ".join(f"{k} {v}" for k, v in doc["env"].items()), ""]
-    for name in ("equivalence", "memory", "speed", "decode"):
+    for name in SECTIONS:
         section = doc["sections"].get(name, {})
         lines += [f"## {name} ({section.get('seconds', 0):.1f} s)", ""]
         lines += table(section["rows"]) if section.get("rows") else [f"error: {section.get('error', 'not run')}"]
@@ -307,10 +350,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     doc: dict = {"small": args.small, "env": environment(device), "settings": {k: v for k, v in s.items()
                                                                                if k != "big"}, "sections": {}}
-    wanted = set((args.only or "equivalence,memory,speed,decode").split(","))
+    wanted = set((args.only or ",".join(SECTIONS)).split(","))
     model = None
-    for name, fn in (("equivalence", check_equivalence), ("memory", check_memory), ("speed", check_speed),
-                     ("decode", check_decode)):
+    checks = {"equivalence": check_equivalence, "memory": check_memory, "speed": check_speed,
+              "decode": check_decode, "generation": check_generation}
+    for name, fn in checks.items():
         if name not in wanted:
             continue
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ def test_the_gpu_check_dry_run(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert (tmp_path / "gpu_check.md").read_text().startswith("# kveval GPU check (small")
-    assert set(doc["sections"]) == {"equivalence", "memory", "speed", "decode"}
+    assert set(doc["sections"]) == {"equivalence", "memory", "speed", "decode", "generation"}
     for name, section in doc["sections"].items():
         assert "error" not in section, (name, section.get("error"))
         assert not [r for r in section["rows"] if "error" in r], (name, section["rows"])
@@ -31,3 +31,8 @@ def test_the_gpu_check_dry_run(tmp_path):
     assert doc["sections"]["speed"]["rows"][-1]["fits"] is True
     decode = doc["sections"]["decode"]["rows"]
     assert {r["cache"] for r in decode} == {"dynamic", "lean", "buffered"} and all(r["tokens_per_s"] > 0 for r in decode)
+    generation = doc["sections"]["generation"]["rows"]  # each batch: the FP loop, then the policy's
+    assert [(r["batch"], r["policy"]) for r in generation] == [
+        (b, p) for b in (1, 4) for p in ("fp16 (both DynamicCache)", "int4_g32")]
+    assert all(r["tokens"] == r["batch"] * 8 and r["tokens_per_s"] > 0 for r in generation), generation
+    assert all(r["vs_fp16"] > 0 for r in generation if r["policy"] == "int4_g32")
