@@ -78,7 +78,7 @@ from kveval.patch.diagnostics import TensorErrorStats
 from kveval.patch.layers import model_quantizers
 from kveval.patch.quantizers import TensorQuantizer
 from kveval.patch.rope_capture import rope_for
-from kveval.patch.workspace import KeyWorkspace
+from kveval.patch.workspace import KeyWorkspace, version_pairs, version_reads
 from kveval.policy import KVPolicy
 from kveval.policy.masks import Schedule
 from kveval.quant import QuantSpec
@@ -248,11 +248,7 @@ class QueryVersions:
                        <= torch.arange(start, stop, device=device)[:, None])[None, None]
         else:
             allowed = attn.allowed_mask(attention_mask[..., start:stop, :], stop - start, stop, device)
-        mk, mv = self.full_precision_rows(T, start, stop, device)
-        if mv is None:
-            reads = [mk, ~mk]
-        else:  # keys and values read on different schedules: one part per (key version, value version)
-            reads = [mk & mv, ~mk & mv, mk & ~mv, ~mk & ~mv]
+        reads = version_reads(*self.full_precision_rows(T, start, stop, device))
         selections: list[slice | torch.Tensor | None] = []
         masks, positions = [], []
         for m in reads:
@@ -469,9 +465,7 @@ class LayerEmulation(QueryVersions):
         written side by side into ``space`` (one buffer for all the chunks of the call). (output ``[batch, stop -
         start, heads, head_dim]``, weights)."""
         mask, selections, positions = self._chunk_plan(attention_mask, T, start, stop, query.dtype, key.device)
-        # the (key version, value version) parts in ``_build_chunk_plan``'s order: 4 when the schedules differ
-        versions = ([(key, value), (k_hat, value), (key, v_hat), (k_hat, v_hat)] if len(selections) == 4
-                    else [(key, value), (k_hat, v_hat)])
+        versions = version_pairs(key, value, k_hat, v_hat, four=len(selections) == 4)  # ``_build_chunk_plan``'s
         kept = [(k, v, sel) for (k, v), sel in zip(versions, selections) if sel is not None]
         if len(kept) == 1 and isinstance(kept[0][2], slice):  # one part, every token up to stop: views, no copy
             k, v, sel = kept[0]

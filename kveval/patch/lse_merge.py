@@ -32,6 +32,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kveval.patch import attention as attn
+from kveval.patch.workspace import version_pairs, version_reads
 
 #: the fewest bulk tokens for which a chunk splits: a smaller bulk does not pay for the second call (and the first
 #: chunks of a pass, whose keys are mostly in the window, keep the chunk plan)
@@ -130,9 +131,8 @@ def rest_plan(state, T: int, start: int, stop: int, device) -> tuple[int, int, l
         cols = torch.cat([torch.arange(sinks, device=device), torch.arange(first, stop, device=device)])
         mk, mv = state.full_precision_rows(T, start, stop, device, cols)
         causal = cols[None, :] <= torch.arange(start, stop, device=device)[:, None]
-        reads = [mk, ~mk] if mv is None else [mk & mv, ~mk & mv, mk & ~mv, ~mk & ~mv]
         parts, masks = [], []
-        for i, m in enumerate(reads):
+        for i, m in enumerate(version_reads(mk, mv)):
             m = m & causal
             used = m.any(dim=0)
             if bool(used.any()):
@@ -158,9 +158,7 @@ def split_chunk(state, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     first, sinks, parts, allowed, split_modes = plan
     q = query[:, :, start:stop]
     bulk = attention_lse(q, k_hat[:, :, sinks:first], v_hat[:, :, sinks:first], scale)
-    # the (key version, value version) parts in the chunk plan's order: 4 when the schedules differ
-    versions = ([(key, value), (k_hat, value), (key, v_hat), (k_hat, v_hat)] if split_modes
-                else [(key, value), (k_hat, v_hat)])
+    versions = version_pairs(key, value, k_hat, v_hat, four=split_modes)
     keys = torch.cat([versions[i][0].index_select(2, idx) for i, idx in parts], dim=2)
     values = torch.cat([versions[i][1].index_select(2, idx) for i, idx in parts], dim=2)
     rest = attention_lse(q, keys, values, scale, allowed)

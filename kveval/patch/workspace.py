@@ -1,5 +1,6 @@
 """The keys and values one chunk of queries of the emulation attends to, side by side in buffers kept for a whole
-attention call (``KeyWorkspace``, used by ``kveval.patch.emulate.LayerEmulation._chunk``).
+attention call (``KeyWorkspace``, used by ``kveval.patch.emulate.LayerEmulation._chunk``), and the version parts
+they come from (``version_reads``, ``version_pairs``: shared by the chunk plans and ``kveval.patch.lse_merge``).
 
 Shapes: keys and values ``[batch, kv_heads, tokens, dim]``.
 """
@@ -45,6 +46,25 @@ class KeyWorkspace:
         return self.keys[:, :, :n], self.values[:, :, :n]
 
 
+def version_reads(mk: torch.Tensor, mv: torch.Tensor | None) -> list[torch.Tensor]:
+    """The masks of a chunk's version parts from the full-precision masks of its keys ``mk`` and values ``mv``
+    (None: the values share the keys' schedule): ``[mk, ~mk]`` (full precision, quantized), else one part per
+    (key version, value version), ``[mk & mv, ~mk & mv, mk & ~mv, ~mk & ~mv]``; the order of
+    ``version_pairs``."""
+    if mv is None:
+        return [mk, ~mk]
+    return [mk & mv, ~mk & mv, mk & ~mv, ~mk & ~mv]
+
+
+def version_pairs(key: torch.Tensor, value: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor,
+                  four: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (keys, values) each part of ``version_reads`` reads: ``(k, v), (k̂, v̂)``, or with ``four`` (keys and
+    values on different schedules) ``(k, v), (k̂, v), (k, v̂), (k̂, v̂)``."""
+    if four:
+        return [(key, value), (k_hat, value), (key, v_hat), (k_hat, v_hat)]
+    return [(key, value), (k_hat, v_hat)]
+
+
 def _selected(x: torch.Tensor, selection: slice | torch.Tensor) -> int:
     """How many tokens of ``x`` (dim 2) ``selection`` takes."""
     if isinstance(selection, slice):
@@ -52,4 +72,4 @@ def _selected(x: torch.Tensor, selection: slice | torch.Tensor) -> int:
     return int(selection.numel())
 
 
-__all__ = ["KeyWorkspace"]
+__all__ = ["KeyWorkspace", "version_pairs", "version_reads"]
