@@ -19,7 +19,7 @@ import torch
 from kveval.errors import KvevalError
 from kveval.policy import AUTO_SCALES, KVPolicy
 from kveval.quant import QParams, QuantSpec, fake_quantize, quantize
-from kveval.quant.primitives import QuantizedTensor
+from kveval.quant.primitives import QuantizedTensor, quantize_packed
 from kveval.transforms import TransformChain
 from kveval.transforms.base import Kind
 
@@ -84,6 +84,15 @@ class TensorQuantizer:
     def quantize(self, x: torch.Tensor, channel_block: int | None, rope: Rope | None = None) -> QuantizedTensor:
         """The stored form of x (after the transforms' ``*_in``: pre-RoPE keys with ``pre_rope``)."""
         return quantize(self.transforms.forward(x, rope), self.spec, self.qparams, channel_block=channel_block)
+
+    def quantize_packed(self, x: torch.Tensor,
+                        decode: bool) -> tuple[QuantizedTensor, torch.Tensor, torch.Tensor | None] | None:
+        """``quantize``, the codes packed and ``read_back`` in one fused pass (`kveval.quant.primitives.
+        quantize_packed`: the same bits) where no transform acts on this tensor and its statistics are its own
+        (no calibrated parameters); None otherwise, and where the format has no fused path."""
+        if self.transforms.transforms or self.qparams is not None:
+            return None
+        return quantize_packed(x, self.spec, decode=decode)
 
     def read_back(self, xq: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         """What attention reads from dequantized storage ``xq`` (the transforms' ``*_out``, in reverse order)."""

@@ -48,7 +48,7 @@ from .spec import QuantSpec
 
 __all__ = [
     "QParams", "QuantizedTensor", "choose_qparams", "quantize", "dequantize", "dequantize_into", "fake_quantize", "pack", "unpack",
-    "packed_nbytes", "qparams_from_range", "split_outliers",
+    "packed_nbytes", "qparams_from_range", "quantize_packed", "split_outliers",
 ]
 
 
@@ -167,6 +167,24 @@ def quantize(
         return QuantizedTensor(x, None, None, spec, x.shape, x.dtype)
     spec = spec.resolved(x.dtype)
     return QuantizedTensor.of(spec.fmt.quantize_tensor(x, spec, qparams, channel_block), spec, x)
+
+
+def quantize_packed(x: torch.Tensor, spec: QuantSpec, *,
+                    decode: bool = True) -> tuple[QuantizedTensor, torch.Tensor, torch.Tensor | None] | None:
+    """``quantize(x, spec)`` from x's own statistics with its codes packed (``spec.fmt.pack``) and, with
+    ``decode``, ``dequantize`` of it, by the format's fused path (`TensorFormat.quantize_packed`), bit for bit:
+    (the QuantizedTensor, its codes empty since the packed rows ``[B, H, T, row_nbytes]`` hold them; the packed
+    rows; the read-back values ``[B, H, T, D]`` or None). None where the format has no such path: the caller
+    quantizes, packs and dequantizes."""
+    _check_input(x, spec)
+    if spec.is_none or not x.numel():
+        return None
+    spec = spec.resolved(x.dtype)
+    got = spec.fmt.quantize_packed(x, spec, decode)
+    if got is None:
+        return None
+    parts, packed, decoded = got
+    return QuantizedTensor.of(parts, spec, x), packed, decoded
 
 
 def dequantize(qt: QuantizedTensor) -> torch.Tensor:

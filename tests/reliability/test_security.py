@@ -50,8 +50,8 @@ ALLOWED: dict[tuple[str, str], str] = {
         "from its fixed table; and bash running that build script from kveval's own scripts/ folder",
     ("kveval/native/__init__.py", "shell"):
         "the C compiler ($CC, or cc / gcc / clang on PATH: the user's environment, never a config) compiling "
-        "kveval's own native/dequant.c into kveval's cache: an argv list (no shell) of the compiler, the constant "
-        "FLAGS and OPENMP, the package's source path and the cache target",
+        "kveval's own native/dequant.c and native/quant.c into kveval's cache: an argv list (no shell) of the compiler, "
+        "the constant FLAGS, OPENMP and LIBS, the package's source paths and the cache target",
 }
 
 

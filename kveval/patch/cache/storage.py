@@ -45,7 +45,13 @@ class StoredChunk:
         """Quantize x ``[batch, kv_heads, n, head_dim]`` (``rope``: its ``(cos, sin)`` for pre-RoPE keys) and pack
         the codes through the spec's format, whatever the format. ``decoded`` is read back from the codes before
         packing (packing is lossless: ``read_storage`` gives the same numbers, which the tests check); with
-        ``decode`` False it is left None (a caller that reads the tokens back from their codes later)."""
+        ``decode`` False it is left None (a caller that reads the tokens back from their codes later). Where the
+        quantizer has a fused path (``TensorQuantizer.quantize_packed``: integer codes of per-token or per-group
+        statistics, no transform), the three steps are one native pass with the same bits."""
+        fused = quantizer.quantize_packed(x, decode)
+        if fused is not None:
+            qt, packed, decoded = fused
+            return cls(qt=qt, packed=packed, n_codes=x.shape[-1], decoded=decoded)
         qt = quantizer.quantize(x, channel_block, rope)
         spec = qt.spec
         packed = spec.fmt.pack(qt.codes, spec)

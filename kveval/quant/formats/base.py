@@ -301,6 +301,15 @@ class TensorFormat(ABC):
         default unpacks, then `dequantize_into`; `IntFormat` reads the packed rows in one pass (`kveval.native`)."""
         self.dequantize_into(replace(qt, codes=self.unpack(packed, qt.spec, n_codes)), out)
 
+    def quantize_packed(self, x: torch.Tensor, spec: Spec,
+                        decode: bool) -> tuple[TensorParts, torch.Tensor, torch.Tensor | None] | None:
+        """``quantize_tensor`` of x [B, H, T, D] from its own statistics (no calibrated parameters), its codes packed
+        (``pack``) and, with ``decode``, read back (``dequantize_tensor``), in one fused pass and bit for bit with
+        those three: (the parts with empty codes, the packed rows, the read-back values in x's dtype or None). None
+        where the format has no such path (this default) or does not take x; the caller then goes the long way.
+        The real cache's store of new tokens (`kveval.patch.cache.storage.StoredChunk.store`)."""
+        return None
+
     @abstractmethod
     def tensor_nbytes(self, spec: Spec, shape: tuple[int, int, int, int], dtype: torch.dtype, static: bool,
                       channel_block: int | None = None) -> dict[str, int]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ... import native
-from .base import SCALE_TORCH_DTYPES, QParams, Spec, nonzero, store, symmetric_qparams
+from .base import NONFINITE, SCALE_TORCH_DTYPES, QParams, Spec, TensorParts, nonzero, store, symmetric_qparams
 from .segment import QuantFormat
 
 
@@ -129,6 +129,30 @@ class IntFormat(QuantFormat):
                                                offset=offset, mode=mode, token_block=block):
                 return
         super().read_packed_into(qt, packed, n_codes, out)
+
+    def quantize_packed(self, x: torch.Tensor, spec: Spec,
+                        decode: bool) -> tuple[TensorParts, torch.Tensor, torch.Tensor | None] | None:
+        """Statistics, codes, packing and read-back values of x [B, H, T, D] in one pass of the native kernel
+        (`kveval.native.quantize_int`, the arithmetic of this class and of ``base.store``, the same bits) for
+        dynamic per-token and per-group statistics of a float32, float16 or bfloat16 x (computed in float32, as
+        eager); None for outliers, a fixed ``static_scale``, other granularities and where the kernel is not to
+        be had."""
+        sdt = SCALE_TORCH_DTYPES.get(spec.scale_dtype)
+        if (spec.outliers or spec.static_scale is not None or spec.granularity not in ("token", "group")
+                or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or sdt is None):
+            return None
+        groups = 1 if spec.granularity == "token" else x.shape[-1] // (spec.group_size or 1)
+        mode = "symmetric" if spec.mapping == "symmetric" else spec.zero_point
+        got = native.quantize_int(x.to(torch.float32), groups=groups, bits=spec.bits, mode=mode,
+                                  clip=spec.clip_ratio, scale_dtype=sdt, decode=decode)
+        if got is None:
+            return None
+        if not got.finite:
+            raise ValueError(NONFINITE)
+        shape = spec.gran.scale_shape(tuple(x.shape), None)
+        zero = None if got.zero is None else got.zero.view(shape)
+        decoded = None if got.decoded is None else got.decoded.to(x.dtype)
+        return TensorParts(torch.empty(0, dtype=self.code_dtype(spec)), got.scale.view(shape), zero), got.packed, decoded
 
     def fake(self, xv: torch.Tensor, dims: tuple[int, ...] | None, spec: Spec) -> torch.Tensor:
         """One min/max pass, then divide, round, clamp, multiply in place on one temporary."""
