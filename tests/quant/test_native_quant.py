@@ -149,6 +149,8 @@ def test_what_the_kernel_does_not_take_goes_the_long_way(built_native):
                                decode=True) is None
     assert native.quantize_int(x, groups=3, bits=4, mode="float", clip=1.0, scale_dtype=torch.float16,
                                decode=True) is None  # groups that do not divide head_dim
+    assert native.quantize_int(torch.randn(1, 1, 2, 4104), groups=1, bits=4, mode="float", clip=1.0,
+                               scale_dtype=torch.float16, decode=True) is None  # rows over quant.c's CODES_MAX
 
 
 def _decode_run(model, policy, ids, steps: int):
