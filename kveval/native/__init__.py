@@ -39,8 +39,6 @@ from kveval.errors import KvevalError
 SOURCES = (Path(__file__).with_name("dequant.c"), Path(__file__).with_name("quant.c"))
 #: -ffp-contract=off: every multiply and add rounds on its own, as PyTorch's element-wise kernels do
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
-#: after the sources: the maths library (``rintf``)
-LIBS = ("-lm",)
 #: tried first (a compiler without OpenMP builds without it)
 OPENMP = ("-fopenmp",)
 #: the kernel's modes (dequant.c): how a code becomes a value
@@ -65,7 +63,7 @@ def library_path(cc: str) -> Path:
     from kveval.paths import cache_dir  # KvevalError when the cache folder cannot be used
 
     source = b"".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(source + repr((FLAGS, OPENMP, LIBS, cc, platform.machine(), sys.platform)).encode())
+    key = hashlib.sha256(source + repr((FLAGS, OPENMP, cc, platform.machine(), sys.platform)).encode())
     return cache_dir("native", key.hexdigest()[:16]) / "libkveval_native.so"
 
 
@@ -76,7 +74,7 @@ def _build(cc: str, target: Path) -> None:
     try:
         for extra in (OPENMP, ()):
             try:
-                subprocess.run([cc, *FLAGS, *extra, *map(str, SOURCES), "-o", str(tmp), *LIBS], check=True, capture_output=True,
+                subprocess.run([cc, *FLAGS, *extra, *map(str, SOURCES), "-o", str(tmp)], check=True, capture_output=True,
                                timeout=300)
                 break
             except subprocess.CalledProcessError:

@@ -51,7 +51,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("kveval/native/__init__.py", "shell"):
         "the C compiler ($CC, or cc / gcc / clang on PATH: the user's environment, never a config) compiling "
         "kveval's own native/dequant.c and native/quant.c into kveval's cache: an argv list (no shell) of the compiler, "
-        "the constant FLAGS, OPENMP and LIBS, the package's source paths and the cache target",
+        "the constant FLAGS and OPENMP, the package's source paths and the cache target",
 }
 
 
