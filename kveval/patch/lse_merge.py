@@ -29,7 +29,7 @@ outputs ``[batch, rows, heads, head_dim]`` (the attention functions' layout).
 from __future__ import annotations
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from kveval.patch import attention as attn
 from kveval.patch.workspace import version_pairs, version_reads
@@ -79,9 +79,7 @@ def attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     if allowed is None:
         out, lse = _FLASH(query.reshape(B, kv_heads, groups * L, d), key, value, 0.0, False, scale=scale)
         return out.reshape(B, H, L, value.shape[-1]), lse.reshape(B, H, L)
-    if groups > 1:
-        key = key[:, :, None].expand(B, kv_heads, groups, *key.shape[2:]).reshape(B, H, *key.shape[2:])
-        value = value[:, :, None].expand(B, kv_heads, groups, *value.shape[2:]).reshape(B, H, *value.shape[2:])
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, -torch.inf)
     out, lse = _FLASH(query, key, value, 0.0, False, attn_mask=mask[None, None], scale=scale)
     empty = ~allowed.any(dim=-1)  # [L]: the kernel gives a row that reads nothing 0, not -inf
